@@ -1,0 +1,358 @@
+"""The one YAML file that configures epp, validated up front with errors naming the bad key.
+
+Shape (every section optional except ``models`` and ``pools``)::
+
+    models:   {NAME: {pools: [POOL, ...]}}
+    pools:    {POOL: {endpoints: [host:port, ...]}}
+    server:   {host, extproc_port, health_port, metrics_port, log_level}
+    scrape:   {interval, timeout, failure_threshold}
+    routing:  {fallbacks, max_body_bytes, explain}
+    request:  {session_header, priority_header, objective_header, objectives: {NAME: int}}
+    scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
+    store:    {backend: memory|redis, redis_url, key_prefix}
+
+A :class:`Config` is immutable; reloading builds a new one and swaps it in, so requests in
+flight finish with the configuration they started with.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from epp.request import RequestPolicy
+from epp.scheduling import Filter, Picker, Profile, Scorer, create_plugin, plugin_types
+from epp.scheduling.framework import Plugin
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the dotted path of the bad key."""
+
+
+DEFAULT_PROFILE: list[dict[str, Any]] = [
+    {"plugin": "ready-endpoint-filter"},
+    {"plugin": "queue-scorer", "weight": 2},
+    {"plugin": "kv-cache-utilization-scorer", "weight": 2},
+    {"plugin": "max-score-picker"},
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    extproc_port: int = 9002
+    health_port: int = 9003
+    metrics_port: int = 9090
+    log_level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    interval: float = 0.05
+    timeout: float = 1.0
+    failure_threshold: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    fallbacks: int = 1
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Send every candidate's scores in the x-epp-scores response header (debugging aid).
+    explain: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    backend: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "epp"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    models: Mapping[str, tuple[str, ...]]
+    pools: Mapping[str, tuple[str, ...]]
+    profile: Profile
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    request: RequestPolicy = field(default_factory=RequestPolicy)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    source: str = ""
+
+    def endpoint_pools(self) -> dict[str, str]:
+        """Every configured endpoint address mapped to its pool."""
+        return {addr: pool for pool, addrs in self.pools.items() for addr in addrs}
+
+    def endpoints_for_model(self, model: str) -> tuple[str, ...] | None:
+        """Addresses that may serve ``model``, or None if the model is not configured."""
+        pools = self.models.get(model)
+        if pools is None:
+            return None
+        return tuple(addr for pool in pools for addr in self.pools[pool])
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML file; raise :class:`ConfigError` naming the bad key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read configuration file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    root = _Node(data, "", source)
+    root.only("models", "pools", "server", "scrape", "routing", "request", "scheduling", "store")
+    pools = _pools(root.child("pools", required=True))
+    models = _models(root.child("models", required=True), pools)
+    return Config(
+        models=models,
+        pools=pools,
+        profile=_scheduling(root.child("scheduling")),
+        server=_server(root.child("server")),
+        scrape=_scrape(root.child("scrape")),
+        routing=_routing(root.child("routing")),
+        request=_request(root.child("request")),
+        store=_store(root.child("store")),
+        source=source,
+    )
+
+
+class _Node:
+    """A value in the YAML tree that knows its dotted path, for error messages."""
+
+    def __init__(self, value: Any, path: str, source: str) -> None:
+        self.value = value
+        self.path = path
+        self.source = source
+
+    def error(self, message: str) -> ConfigError:
+        where = self.path or "(top level)"
+        return ConfigError(f"{self.source}: {where}: {message}")
+
+    def mapping(self) -> Mapping[str, Any]:
+        if self.value is None:
+            return {}
+        if not isinstance(self.value, dict):
+            raise self.error(f"must be a mapping, got {type(self.value).__name__}")
+        return self.value
+
+    def only(self, *keys: str) -> None:
+        for key in self.mapping():
+            if key not in keys:
+                raise self.at(str(key)).error(f"unknown key (expected one of: {', '.join(keys)})")
+
+    def at(self, key: str | int) -> _Node:
+        path = f"{self.path}[{key}]" if isinstance(key, int) else f"{self.path}.{key}".lstrip(".")
+        value = self.value[key] if isinstance(key, int) else self.mapping().get(key)
+        return _Node(value, path, self.source)
+
+    def child(self, key: str, required: bool = False) -> _Node:
+        node = self.at(key)
+        if required and node.value is None:
+            raise node.error("is required")
+        return node
+
+    def items(self) -> list[tuple[str, _Node]]:
+        return [(str(k), self.at(k)) for k in self.mapping()]
+
+    def list(self) -> list[_Node]:
+        if self.value is None:
+            return []
+        if not isinstance(self.value, list):
+            raise self.error(f"must be a list, got {type(self.value).__name__}")
+        return [self.at(i) for i in range(len(self.value))]
+
+    def get(self, key: str, kind: type, default: Any) -> Any:
+        node = self.at(key)
+        value = node.value
+        if value is None:
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise node.error(f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        return value
+
+    def positive(self, key: str, kind: type, default: Any, minimum: float = 0) -> Any:
+        value = self.get(key, kind, default)
+        if value < minimum or (minimum == 0 and value == 0 and kind is float):
+            raise self.at(key).error(f"must be > {minimum}" if kind is float else f">= {minimum}")
+        return value
+
+
+def _address(node: _Node) -> str:
+    value = node.value
+    if not isinstance(value, str) or ":" not in value:
+        raise node.error(f"must be 'host:port', got {value!r}")
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise node.error(f"must be 'host:port' with a port in 1..65535, got {value!r}")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        # Envoy's override_host policy matches endpoints by IP address, not hostname.
+        raise node.error(f"host must be an IP address (Envoy routes by IP), got {host!r}") from None
+    return value
+
+
+def _pools(node: _Node) -> dict[str, tuple[str, ...]]:
+    pools: dict[str, tuple[str, ...]] = {}
+    seen: dict[str, str] = {}
+    for name, pool in node.items():
+        pool.only("endpoints")
+        endpoints = pool.child("endpoints", required=True).list()
+        if not endpoints:
+            raise pool.at("endpoints").error("must list at least one endpoint")
+        addrs = []
+        for ep in endpoints:
+            addr = _address(ep)
+            if addr in seen:
+                raise ep.error(f"{addr} is already an endpoint of pool '{seen[addr]}'")
+            seen[addr] = name
+            addrs.append(addr)
+        pools[name] = tuple(addrs)
+    if not pools:
+        raise node.error("must define at least one pool")
+    return pools
+
+
+def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    models: dict[str, tuple[str, ...]] = {}
+    for name, model in node.items():
+        model.only("pools")
+        refs = model.child("pools", required=True).list()
+        if not refs:
+            raise model.at("pools").error("must name at least one pool")
+        for ref in refs:
+            if ref.value not in pools:
+                raise ref.error(f"unknown pool {ref.value!r} (pools: {', '.join(pools)})")
+        models[name] = tuple(r.value for r in refs)
+    if not models:
+        raise node.error("must define at least one model")
+    return models
+
+
+def _server(node: _Node) -> ServerConfig:
+    node.only("host", "extproc_port", "health_port", "metrics_port", "log_level")
+    d = ServerConfig()
+    ports = {
+        key: node.positive(key, int, getattr(d, key), minimum=0)
+        for key in ("extproc_port", "health_port", "metrics_port")
+    }
+    level = node.get("log_level", str, d.log_level)
+    if level.lower() not in ("debug", "info", "warning", "error"):
+        raise node.at("log_level").error("must be one of debug, info, warning, error")
+    return ServerConfig(host=node.get("host", str, d.host), log_level=level, **ports)
+
+
+def _scrape(node: _Node) -> ScrapeConfig:
+    node.only("interval", "timeout", "failure_threshold")
+    d = ScrapeConfig()
+    return ScrapeConfig(
+        interval=node.positive("interval", float, d.interval),
+        timeout=node.positive("timeout", float, d.timeout),
+        failure_threshold=node.positive("failure_threshold", int, d.failure_threshold, 1),
+    )
+
+
+def _routing(node: _Node) -> RoutingConfig:
+    node.only("fallbacks", "max_body_bytes", "explain")
+    d = RoutingConfig()
+    return RoutingConfig(
+        fallbacks=node.positive("fallbacks", int, d.fallbacks),
+        max_body_bytes=node.positive("max_body_bytes", int, d.max_body_bytes, 1),
+        explain=node.get("explain", bool, d.explain),
+    )
+
+
+def _request(node: _Node) -> RequestPolicy:
+    node.only("session_header", "priority_header", "objective_header", "objectives")
+    d = RequestPolicy()
+    objectives: dict[str, int] = {}
+    for name, value in node.child("objectives").items():
+        if not isinstance(value.value, int) or isinstance(value.value, bool):
+            raise value.error("must be an integer priority")
+        objectives[name] = value.value
+    return RequestPolicy(
+        session_header=node.get("session_header", str, d.session_header).lower(),
+        priority_header=node.get("priority_header", str, d.priority_header).lower(),
+        objective_header=node.get("objective_header", str, d.objective_header).lower(),
+        objectives=objectives,
+    )
+
+
+def _store(node: _Node) -> StoreConfig:
+    node.only("backend", "redis_url", "key_prefix")
+    d = StoreConfig()
+    backend = node.get("backend", str, d.backend)
+    if backend not in ("memory", "redis"):
+        raise node.at("backend").error(f"must be 'memory' or 'redis', got {backend!r}")
+    url = node.get("redis_url", str, d.redis_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise node.at("redis_url").error("must start with redis://, rediss:// or unix://")
+    return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix))
+
+
+def _scheduling(node: _Node) -> Profile:
+    node.only("profile", "plugins", "profiles")
+    declared: dict[str, tuple[str, Mapping[str, Any], _Node]] = {}
+    for item in node.child("plugins").list():
+        item.only("name", "type", "parameters")
+        type_name = item.get("type", str, None)
+        if type_name is None:
+            raise item.at("type").error("is required")
+        name = item.get("name", str, type_name)
+        declared[name] = (type_name, item.child("parameters").mapping(), item)
+    profiles = node.child("profiles")
+    wanted = node.get("profile", str, "default")
+    entries = profiles.at(wanted)
+    if entries.value is None:
+        if profiles.value is not None and wanted != "default":
+            raise node.at("profile").error(f"no profile named {wanted!r} under profiles")
+        entries = _Node(DEFAULT_PROFILE, f"{profiles.path}.default", node.source)
+    return _profile(wanted, entries, declared)
+
+
+def _profile(
+    name: str, node: _Node, declared: Mapping[str, tuple[str, Mapping[str, Any], _Node]]
+) -> Profile:
+    filters: list[Filter] = []
+    scorers: list[tuple[Scorer, float]] = []
+    pickers: list[Picker] = []
+    for entry in node.list():
+        entry.only("plugin", "pluginRef", "weight", "parameters")
+        ref = entry.get("plugin", str, None) or entry.get("pluginRef", str, None)
+        if ref is None:
+            raise entry.at("plugin").error("is required")
+        inline = (ref, entry.child("parameters").mapping(), entry)
+        type_name, params, where = declared.get(ref, inline)
+        try:
+            plugin: Plugin = create_plugin(type_name, ref, params)
+        except KeyError:
+            raise where.error(
+                f"unknown plugin type {type_name!r} (known: {', '.join(plugin_types())})"
+            ) from None
+        except ValueError as exc:
+            raise where.error(str(exc)) from None
+        weight = entry.get("weight", float, 1.0)
+        if isinstance(plugin, Scorer):
+            scorers.append((plugin, weight))
+        elif isinstance(plugin, Filter):
+            filters.append(plugin)
+        elif isinstance(plugin, Picker):
+            pickers.append(plugin)
+    if len(pickers) != 1:
+        raise node.error(f"a profile needs exactly one picker, found {len(pickers)}")
+    return Profile(name, filters, scorers, pickers[0])

@@ -1,0 +1,75 @@
+"""Errors that become immediate HTTP responses with OpenAI-style JSON bodies.
+
+Every way a request can be refused is one :class:`RequestError`; the ext_proc layer turns it
+into an ``ImmediateResponse`` so the client sees the same shape of error an OpenAI server returns.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class RequestError(Exception):
+    """A request epp refuses, with the HTTP status and OpenAI error fields to send back."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> bytes:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def bad_request(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param=param, code="invalid_request")
+
+
+def model_not_found(model: str, known: list[str]) -> RequestError:
+    listing = ", ".join(sorted(known)) or "(none configured)"
+    return RequestError(
+        404,
+        f"The model '{model}' does not exist. Available models: {listing}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def body_too_large(size: int, limit: int) -> RequestError:
+    return RequestError(
+        413,
+        f"Request body of {size} bytes exceeds the limit of {limit} bytes.",
+        code="request_too_large",
+    )
+
+
+def no_endpoint(model: str, why: str) -> RequestError:
+    return RequestError(
+        503,
+        f"No endpoint is ready to serve model '{model}': {why}. Retry shortly.",
+        type="service_unavailable_error",
+        code="no_ready_endpoint",
+    )
+
+
+def overloaded(model: str) -> RequestError:
+    return RequestError(
+        429,
+        f"The pool serving '{model}' is saturated and this request's priority is sheddable. "
+        "Retry later or send it with a higher priority.",
+        type="rate_limit_error",
+        code="overloaded",
+    )

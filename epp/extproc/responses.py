@@ -1,0 +1,122 @@
+"""Builders for the ProcessingResponse messages epp sends to Envoy.
+
+Header values are always set through ``raw_value``: Envoy 1.40 writes an empty header when only
+``value`` is set. The routing answer goes out twice with identical values (a request header and
+``envoy.lb`` dynamic metadata) because gateways differ in which one they read; metadata cannot be
+forged by a client, so our Envoy configuration routes on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from google.protobuf.struct_pb2 import Struct
+
+from epp._proto import core_pb2, ext_proc_pb2, http_status_pb2
+from epp.errors import RequestError
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# Envoy accepts streamed body chunks up to 64 KiB; GIE uses 62,000 to leave room for framing.
+MAX_CHUNK = 62_000
+
+_OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+CONTINUE_REQUEST_HEADERS = ext_proc_pb2.ProcessingResponse(
+    request_headers=ext_proc_pb2.HeadersResponse()
+)
+CONTINUE_RESPONSE_HEADERS = ext_proc_pb2.ProcessingResponse(
+    response_headers=ext_proc_pb2.HeadersResponse()
+)
+CONTINUE_REQUEST_BODY = ext_proc_pb2.ProcessingResponse(request_body=ext_proc_pb2.BodyResponse())
+CONTINUE_RESPONSE_BODY = ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = ext_proc_pb2.ProcessingResponse(
+    request_trailers=ext_proc_pb2.TrailersResponse()
+)
+CONTINUE_RESPONSE_TRAILERS = ext_proc_pb2.ProcessingResponse(
+    response_trailers=ext_proc_pb2.TrailersResponse()
+)
+
+
+def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
+    return core_pb2.HeaderValueOption(
+        header=core_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def _routing(
+    destination: str, remove: Iterable[str], content_length: int | None
+) -> tuple[ext_proc_pb2.CommonResponse, Struct]:
+    sets = [_header(DESTINATION_HEADER, destination)]
+    if content_length is not None:
+        sets.append(_header("content-length", str(content_length)))
+    common = ext_proc_pb2.CommonResponse(
+        header_mutation=ext_proc_pb2.HeaderMutation(set_headers=sets, remove_headers=remove),
+        # The route (and so the cluster and host) must be recomputed from the new header.
+        clear_route_cache=True,
+    )
+    metadata = Struct()
+    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+    return common, metadata
+
+
+def route_in_headers(
+    destination: str, remove: Iterable[str], content_length: int | None
+) -> ext_proc_pb2.ProcessingResponse:
+    """Routing answer to the request-headers message (full-duplex mode, or header-only)."""
+    common, metadata = _routing(destination, remove, content_length)
+    return ext_proc_pb2.ProcessingResponse(
+        request_headers=ext_proc_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+def route_in_body(destination: str, remove: Iterable[str]) -> ext_proc_pb2.ProcessingResponse:
+    """Routing answer to the buffered request-body message; the body itself is not echoed."""
+    common, metadata = _routing(destination, remove, None)
+    return ext_proc_pb2.ProcessingResponse(
+        request_body=ext_proc_pb2.BodyResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+def body_chunks(
+    body: bytes, end_of_stream: bool = True, response: bool = False
+) -> Iterator[ext_proc_pb2.ProcessingResponse]:
+    """A body streamed back in full-duplex mode, at most :data:`MAX_CHUNK` bytes a message.
+
+    Only the last chunk carries ``end_of_stream``, and only if the body ended here.
+    """
+    last = max(len(body) - 1, 0) // MAX_CHUNK * MAX_CHUNK
+    for offset in range(0, last + 1, MAX_CHUNK):
+        chunk = ext_proc_pb2.StreamedBodyResponse(
+            body=body[offset : offset + MAX_CHUNK], end_of_stream=end_of_stream and offset == last
+        )
+        answer = ext_proc_pb2.BodyResponse(
+            response=ext_proc_pb2.CommonResponse(
+                body_mutation=ext_proc_pb2.BodyMutation(streamed_response=chunk)
+            )
+        )
+        if response:
+            yield ext_proc_pb2.ProcessingResponse(response_body=answer)
+        else:
+            yield ext_proc_pb2.ProcessingResponse(request_body=answer)
+
+
+def immediate(
+    status: int, body: bytes, content_type: str = "application/json"
+) -> ext_proc_pb2.ProcessingResponse:
+    """An immediate local reply: Envoy answers the client and never contacts an upstream."""
+    return ext_proc_pb2.ProcessingResponse(
+        immediate_response=ext_proc_pb2.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=ext_proc_pb2.HeaderMutation(
+                set_headers=[_header("content-type", content_type)]
+            ),
+            body=body,
+        )
+    )
+
+
+def error_response(error: RequestError) -> ext_proc_pb2.ProcessingResponse:
+    return immediate(error.status, error.body())

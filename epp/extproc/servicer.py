@@ -1,0 +1,47 @@
+"""The grpc.aio ``ExternalProcessor`` service: one :class:`StreamHandler` per Envoy stream."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from epp import errors
+from epp._proto import ext_proc_pb2, ext_proc_pb2_grpc
+from epp.extproc import responses
+from epp.extproc.stream import StreamHandler
+from epp.observability import IN_FLIGHT
+from epp.router import Router
+
+log = logging.getLogger("epp.extproc")
+
+_INTERNAL = errors.RequestError(
+    500, "epp failed to process this request; see epp's log.", type="server_error"
+)
+
+
+class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ext_proc_pb2.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext_proc_pb2.ProcessingResponse]:
+        handler = StreamHandler(self._router)
+        IN_FLIGHT.inc()
+        try:
+            async for message in request_iterator:
+                try:
+                    answers = handler.handle(message)
+                except Exception:
+                    # A bug must cost one request a clear 500, never the process or a hang.
+                    log.exception("unexpected error handling an ext_proc message")
+                    yield responses.error_response(_INTERNAL)
+                    return
+                for answer in answers:
+                    yield answer
+        finally:
+            IN_FLIGHT.dec()

@@ -1,0 +1,96 @@
+"""From a parsed request to a routing decision: model lookup, candidates, profile, fallbacks.
+
+The router reads only the current :class:`~epp.config.Config` and the store's local snapshot,
+so a decision costs no I/O. A configuration reload swaps ``config`` in one assignment; a request
+that already started keeps the objects it captured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+from epp import errors
+from epp.config import Config
+from epp.observability import DECISION_SECONDS, PICKS, REQUESTS
+from epp.request import InferenceRequest
+from epp.scheduling import Cycle, Decision
+from epp.state import EndpointState, StateStore
+
+log = logging.getLogger("epp.router")
+
+
+class Router:
+    """Picks endpoints for requests under one (replaceable) configuration."""
+
+    def __init__(self, config: Config, store: StateStore) -> None:
+        self.store = store
+        self.config = config
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        # Everything derived from the config is rebuilt together and swapped at once.
+        self._models_body = _models_body(config)
+        self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
+        self._pools = config.endpoint_pools()
+        self._config = config
+
+    def models_body(self) -> bytes:
+        """The ``GET /v1/models`` answer: every configured model across all pools."""
+        return self._models_body
+
+    def route(self, request: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
+        """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`."""
+        started = time.perf_counter()
+        config = self._config
+        addresses = self._candidates.get(request.model)
+        if addresses is None:
+            raise errors.model_not_found(request.model, list(config.models))
+        if subset is not None:
+            allowed = set(subset)
+            addresses = tuple(a for a in addresses if a in allowed)
+            if not addresses:
+                raise errors.no_endpoint(
+                    request.model, "none of the gateway's subset hint serves it"
+                )
+
+        snapshot = self.store.snapshot()
+        candidates = [
+            snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
+        ]
+        explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
+        decision = config.profile.run(
+            request, candidates, Cycle(snapshot), 1 + config.routing.fallbacks, explain
+        )
+        DECISION_SECONDS.observe(time.perf_counter() - started)
+        if not decision.endpoints:
+            ready = sum(1 for c in candidates if c.ready)
+            raise errors.no_endpoint(
+                request.model, f"{ready} of {len(candidates)} endpoints are ready"
+            )
+        first = decision.endpoints[0]
+        PICKS.labels(first.pool, first.address).inc()
+        REQUESTS.labels(request.model, "routed").inc()
+        if decision.scores is not None:
+            log.debug(
+                "request %s model=%s -> %s scores=%s",
+                request.request_id,
+                request.model,
+                ",".join(e.address for e in decision.endpoints),
+                json.dumps(decision.scores, sort_keys=True),
+            )
+        return decision
+
+
+def _models_body(config: Config) -> bytes:
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "epp", "pools": list(pools)}
+        for name, pools in sorted(config.models.items())
+    ]
+    return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()

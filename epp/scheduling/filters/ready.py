@@ -1,0 +1,15 @@
+"""Only endpoints whose metric source reports them ready may serve."""
+
+from __future__ import annotations
+
+from epp.request import InferenceRequest
+from epp.scheduling.framework import Cycle, Filter, register
+from epp.state.snapshot import EndpointState
+
+
+@register("ready-endpoint-filter")
+class ReadyEndpointFilter(Filter):
+    def filter(
+        self, request: InferenceRequest, candidates: list[EndpointState], cycle: Cycle
+    ) -> list[EndpointState]:
+        return [c for c in candidates if c.ready]

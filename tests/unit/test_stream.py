@@ -1,0 +1,171 @@
+"""The ext_proc per-stream state machine, driven with real protobuf messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epp._proto import core_pb2, ext_proc_pb2, processing_mode_pb2
+from epp.config import parse_config
+from epp.extproc.responses import MAX_CHUNK
+from epp.extproc.stream import StreamHandler
+from epp.router import Router
+from epp.state import EndpointMetrics, EndpointState
+from epp.state.memory import MemoryStore
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+async def make_router(ready: tuple[str, ...] = ("127.0.0.1:8001", "127.0.0.1:8002")) -> Router:
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}, "other": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+            "routing": {"fallbacks": 1, "max_body_bytes": 1000},
+        }
+    )
+    store = MemoryStore()
+    for i, addr in enumerate(("127.0.0.1:8001", "127.0.0.1:8002")):
+        # 8001 has the longer queue, so 8002 must win.
+        metrics = EndpointMetrics(waiting=10 - 10 * i)
+        await store.put_endpoint(EndpointState(addr, "main", addr in ready, metrics, 1.0))
+    return Router(config, store)
+
+
+def headers_msg(
+    path: str = "/v1/completions",
+    method: str = "POST",
+    eos: bool = False,
+    mode: int = BUFFERED,
+    extra: dict[str, str] | None = None,
+    subset: list[str] | None = None,
+) -> ext_proc_pb2.ProcessingRequest:
+    values = {":path": path, ":method": method, "content-type": "application/json", **(extra or {})}
+    msg = ext_proc_pb2.ProcessingRequest(
+        request_headers=ext_proc_pb2.HttpHeaders(
+            headers=core_pb2.HeaderMap(
+                headers=[
+                    core_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
+                ]
+            ),
+            end_of_stream=eos,
+        )
+    )
+    msg.protocol_config.request_body_mode = mode
+    if subset is not None:
+        hint = msg.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+        hint.fields["x-gateway-destination-endpoint-subset"].list_value.extend(subset)
+    return msg
+
+
+def body_msg(data: bytes, eos: bool = True) -> ext_proc_pb2.ProcessingRequest:
+    return ext_proc_pb2.ProcessingRequest(
+        request_body=ext_proc_pb2.HttpBody(body=data, end_of_stream=eos)
+    )
+
+
+BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
+
+
+def destination(resp: ext_proc_pb2.ProcessingResponse, arm: str) -> tuple[str, str]:
+    common = getattr(resp, arm).response
+    header = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    meta = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert common.clear_route_cache
+    return header["x-gateway-destination-endpoint"], meta[
+        "x-gateway-destination-endpoint"
+    ].string_value
+
+
+async def test_buffered_routes_in_body_response() -> None:
+    handler = StreamHandler(await make_router())
+    (first,) = handler.handle(headers_msg(extra={"x-gateway-destination-endpoint": "6.6.6.6:1"}))
+    assert first.WhichOneof("response") == "request_headers"
+    (answer,) = handler.handle(body_msg(BODY))
+    header, meta = destination(answer, "request_body")
+    assert header == meta == "127.0.0.1:8002,127.0.0.1:8001"
+    assert not answer.request_body.response.HasField("body_mutation")
+
+
+async def test_full_duplex_holds_headers_then_streams_body_back_in_chunks() -> None:
+    handler = StreamHandler(await make_router())
+    assert handler.handle(headers_msg(mode=FULL_DUPLEX)) == ()
+    prompt = "x" * 150_000
+    big = json.dumps({"model": "tiny", "prompt": prompt}).encode()
+    handler._router.config = parse_config(  # allow a large body for this test
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+        }
+    )
+    assert handler.handle(body_msg(big[:100_000], eos=False)) == ()
+    answers = handler.handle(body_msg(big[100_000:], eos=True))
+    header, meta = destination(answers[0], "request_headers")
+    assert header == meta
+    assert header.startswith("127.0.0.1:8002")
+    sets = {
+        h.header.key: h.header.raw_value
+        for h in answers[0].request_headers.response.header_mutation.set_headers
+    }
+    assert sets["content-length"] == str(len(big)).encode()
+    chunks = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    assert all(len(c.body) <= MAX_CHUNK for c in chunks)
+    assert b"".join(c.body for c in chunks) == big
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    # A repeated end-of-stream chunk (Envoy bug around 1 MB) is ignored.
+    assert handler.handle(body_msg(b"", eos=True)) == ()
+
+
+def immediate(resp: ext_proc_pb2.ProcessingResponse) -> tuple[int, dict[str, object]]:
+    assert resp.WhichOneof("response") == "immediate_response"
+    return resp.immediate_response.status.code, json.loads(resp.immediate_response.body)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{oops", 400, "not valid JSON"),
+        (b'{"prompt": "x"}', 400, "model"),
+        (b'{"model": "nope", "prompt": "x"}', 404, "Available models: other, tiny"),
+        (b'{"model": "tiny", "prompt": "' + b"x" * 2000 + b'"}', 413, "exceeds the limit"),
+    ],
+)
+async def test_bad_requests_get_immediate_json_errors(
+    body: bytes, status: int, needle: str
+) -> None:
+    handler = StreamHandler(await make_router())
+    handler.handle(headers_msg())
+    (answer,) = handler.handle(body_msg(body))
+    code, payload = immediate(answer)
+    assert code == status
+    assert needle in payload["error"]["message"]
+
+
+async def test_no_ready_endpoint_is_503() -> None:
+    handler = StreamHandler(await make_router(ready=()))
+    handler.handle(headers_msg())
+    code, payload = immediate(handler.handle(body_msg(BODY))[0])
+    assert code == 503
+    assert "0 of 2 endpoints are ready" in payload["error"]["message"]
+
+
+async def test_subset_hint_restricts_candidates() -> None:
+    handler = StreamHandler(await make_router())
+    handler.handle(headers_msg(subset=["127.0.0.1:8001"]))
+    header, _ = destination(handler.handle(body_msg(BODY))[0], "request_body")
+    assert header == "127.0.0.1:8001"
+    handler = StreamHandler(await make_router())
+    handler.handle(headers_msg(subset=["10.9.9.9:1"]))
+    assert immediate(handler.handle(body_msg(BODY))[0])[0] == 503
+
+
+async def test_get_models_is_answered_by_epp() -> None:
+    handler = StreamHandler(await make_router())
+    (answer,) = handler.handle(headers_msg("/v1/models", "GET", eos=True))
+    code, payload = immediate(answer)
+    assert code == 200
+    assert [m["id"] for m in payload["data"]] == ["other", "tiny"]  # type: ignore[index]
+    (answer,) = StreamHandler(await make_router()).handle(headers_msg("/health", "GET", eos=True))
+    assert immediate(answer)[0] == 400
