@@ -1,4 +1,4 @@
-"""The ``epp`` command: ``serve``, ``sim``, ``envoy-config``."""
+"""The ``epp`` command: ``serve``, ``sim``, ``envoy-config``, ``dev``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from epp.devstack import add_subcommand as add_dev
     from epp.envoy_config import add_subcommand as add_envoy_config
     from epp.sim.cli import add_subcommand as add_sim
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sim(sub)
     add_envoy_config(sub)
+    add_dev(sub)
     return parser
 
 

@@ -33,6 +33,17 @@ log = logging.getLogger("epp.server")
 
 RELOAD_POLL_SECONDS = 1.0
 
+GRPC_OPTIONS = [
+    # Envoy sends request body chunks of up to 1 MiB.
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Envoy keeps its HTTP/2 connection to epp alive with pings; gRPC's default policy answers
+    # frequent pings with GOAWAY "too many pings", which kills every stream in flight (seen as
+    # a 500 on long uploads). Accept them.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+]
+
 
 def make_store(config: Config) -> StateStore:
     if config.store.backend == "redis":
@@ -71,9 +82,7 @@ class Server:
         self.scraper.set_endpoints(config.endpoint_pools())
         await self.scraper.start()
 
-        self._grpc = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-        )
+        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router), self._grpc
         )

