@@ -2,8 +2,8 @@
 
 Shape (every section optional except ``models`` and ``pools``)::
 
-    models:   {NAME: {pools: [POOL, ...]}}
-    pools:    {POOL: {endpoints: [host:port, ...]}}
+    models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR}}
+    pools:    {POOL: {endpoints: [host:port | {address: host:port, weight: W}, ...]}}
     server:   {host, extproc_port, health_port, metrics_port, log_level}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain}
@@ -26,7 +26,15 @@ from typing import Any
 import yaml
 
 from epp.request import RequestPolicy
-from epp.scheduling import Filter, Picker, Profile, Scorer, create_plugin, plugin_types
+from epp.scheduling import (
+    Filter,
+    Picker,
+    PostPick,
+    Profile,
+    Scorer,
+    create_plugin,
+    plugin_types,
+)
 from epp.scheduling.framework import Plugin
 
 
@@ -74,8 +82,19 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A model name clients send, the pools that serve it, and how to read its prompts."""
+
+    pools: tuple[str, ...]
+    # The name is a LoRA adapter loaded on the pools' replicas (vLLM --lora-modules NAME=...).
+    lora: bool = False
+    # Local Hugging Face tokenizer directory, for scorers that need the engine's token ids.
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
-    models: Mapping[str, tuple[str, ...]]
+    models: Mapping[str, ModelConfig]
     pools: Mapping[str, tuple[str, ...]]
     profile: Profile
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -83,6 +102,8 @@ class Config:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     request: RequestPolicy = field(default_factory=RequestPolicy)
     store: StoreConfig = field(default_factory=StoreConfig)
+    # Relative capacity of endpoints (default 1.0): a replica of weight 2 takes twice the work.
+    weights: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -91,10 +112,10 @@ class Config:
 
     def endpoints_for_model(self, model: str) -> tuple[str, ...] | None:
         """Addresses that may serve ``model``, or None if the model is not configured."""
-        pools = self.models.get(model)
-        if pools is None:
+        spec = self.models.get(model)
+        if spec is None:
             return None
-        return tuple(addr for pool in pools for addr in self.pools[pool])
+        return tuple(addr for pool in spec.pools for addr in self.pools[pool])
 
 
 def load_config(path: str | Path) -> Config:
@@ -114,7 +135,7 @@ def load_config(path: str | Path) -> Config:
 def parse_config(data: Any, source: str = "<config>") -> Config:
     root = _Node(data, "", source)
     root.only("models", "pools", "server", "scrape", "routing", "request", "scheduling", "store")
-    pools = _pools(root.child("pools", required=True))
+    pools, weights = _pools(root.child("pools", required=True))
     models = _models(root.child("models", required=True), pools)
     return Config(
         models=models,
@@ -125,6 +146,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         routing=_routing(root.child("routing")),
         request=_request(root.child("request")),
         store=_store(root.child("store")),
+        weights=weights,
         source=source,
     )
 
@@ -207,8 +229,9 @@ def _address(node: _Node) -> str:
     return value
 
 
-def _pools(node: _Node) -> dict[str, tuple[str, ...]]:
+def _pools(node: _Node) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
     pools: dict[str, tuple[str, ...]] = {}
+    weights: dict[str, float] = {}
     seen: dict[str, str] = {}
     for name, pool in node.items():
         pool.only("endpoints")
@@ -217,7 +240,14 @@ def _pools(node: _Node) -> dict[str, tuple[str, ...]]:
             raise pool.at("endpoints").error("must list at least one endpoint")
         addrs = []
         for ep in endpoints:
-            addr = _address(ep)
+            if isinstance(ep.value, dict):
+                ep.only("address", "weight")
+                addr = _address(ep.child("address", required=True))
+                weight = ep.positive("weight", float, 1.0)
+                if weight != 1.0:
+                    weights[addr] = weight
+            else:
+                addr = _address(ep)
             if addr in seen:
                 raise ep.error(f"{addr} is already an endpoint of pool '{seen[addr]}'")
             seen[addr] = name
@@ -225,20 +255,25 @@ def _pools(node: _Node) -> dict[str, tuple[str, ...]]:
         pools[name] = tuple(addrs)
     if not pools:
         raise node.error("must define at least one pool")
-    return pools
+    return pools, weights
 
 
-def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-    models: dict[str, tuple[str, ...]] = {}
+def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, ModelConfig]:
+    models: dict[str, ModelConfig] = {}
     for name, model in node.items():
-        model.only("pools")
+        model.only("pools", "lora", "tokenizer")
         refs = model.child("pools", required=True).list()
         if not refs:
             raise model.at("pools").error("must name at least one pool")
         for ref in refs:
             if ref.value not in pools:
                 raise ref.error(f"unknown pool {ref.value!r} (pools: {', '.join(pools)})")
-        models[name] = tuple(r.value for r in refs)
+        tokenizer = model.get("tokenizer", str, None)
+        if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise model.at("tokenizer").error(f"no tokenizer.json in directory {tokenizer!r}")
+        models[name] = ModelConfig(
+            tuple(r.value for r in refs), model.get("lora", bool, False), tokenizer
+        )
     if not models:
         raise node.error("must define at least one model")
     return models
@@ -355,4 +390,6 @@ def _profile(
             pickers.append(plugin)
     if len(pickers) != 1:
         raise node.error(f"a profile needs exactly one picker, found {len(pickers)}")
-    return Profile(name, filters, scorers, pickers[0])
+    plugins: list[Plugin] = [*filters, *(s for s, _ in scorers), *pickers]
+    hooks = [p for p in plugins if isinstance(p, PostPick)]
+    return Profile(name, filters, scorers, pickers[0], hooks)

@@ -27,6 +27,12 @@ _API_BY_SUFFIX: tuple[tuple[str, Api], ...] = (
     ("/embeddings", "embeddings"),
 )
 
+# vLLM generates up to the context length when a chat request names no limit; assume a typical
+# answer length for load accounting rather than the worst case.
+DEFAULT_OUTPUT_TOKENS = 256
+# Characters per token of English text under common BPE tokenizers, for estimates only.
+CHARS_PER_TOKEN = 4
+
 # Separators that cannot appear in ordinary text keep "role + content" boundaries unambiguous.
 _ROLE_SEP = "\x1f"
 _MSG_SEP = "\x1e"
@@ -56,8 +62,21 @@ class InferenceRequest:
     stream: bool = False
     priority: int = 0
     session: str | None = None
+    # The LoRA adapter the request runs on (set by the router from the model's configuration).
+    lora: str | None = None
     body_size: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
+
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens: exact for token prompts, estimated from characters else."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        return len(self.prompt) // CHARS_PER_TOKEN + 1
+
+    def expected_tokens(self) -> int:
+        """The work this request puts on an engine: prompt plus the output it may generate."""
+        output = DEFAULT_OUTPUT_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.prompt_tokens() + output
 
 
 def api_for_path(path: str) -> Api | None:

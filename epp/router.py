@@ -17,7 +17,9 @@ from epp.config import Config
 from epp.observability import DECISION_SECONDS, PICKS, REQUESTS
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision
-from epp.state import EndpointState, StateStore
+from epp.state import EndpointState
+from epp.state.fleet import FleetState
+from epp.state.inflight import Ticket
 
 log = logging.getLogger("epp.router")
 
@@ -25,8 +27,8 @@ log = logging.getLogger("epp.router")
 class Router:
     """Picks endpoints for requests under one (replaceable) configuration."""
 
-    def __init__(self, config: Config, store: StateStore) -> None:
-        self.store = store
+    def __init__(self, config: Config, fleet: FleetState) -> None:
+        self.fleet = fleet
         self.config = config
 
     @property
@@ -45,13 +47,21 @@ class Router:
         """The ``GET /v1/models`` answer: every configured model across all pools."""
         return self._models_body
 
-    def route(self, request: InferenceRequest, subset: Sequence[str] | None = None) -> Decision:
-        """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`."""
+    def route(
+        self, request: InferenceRequest, subset: Sequence[str] | None = None
+    ) -> tuple[Decision, Ticket]:
+        """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
+
+        The returned ticket counts the request as in flight on the chosen endpoint until it is
+        passed to :meth:`finish`.
+        """
         started = time.perf_counter()
         config = self._config
         addresses = self._candidates.get(request.model)
         if addresses is None:
             raise errors.model_not_found(request.model, list(config.models))
+        if config.models[request.model].lora:
+            request.lora = request.model
         if subset is not None:
             allowed = set(subset)
             addresses = tuple(a for a in addresses if a in allowed)
@@ -60,13 +70,17 @@ class Router:
                     request.model, "none of the gateway's subset hint serves it"
                 )
 
-        snapshot = self.store.snapshot()
+        snapshot = self.fleet.store.snapshot()
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
         explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
         decision = config.profile.run(
-            request, candidates, Cycle(snapshot), 1 + config.routing.fallbacks, explain
+            request,
+            candidates,
+            Cycle(snapshot, self.fleet, config.weights),
+            1 + config.routing.fallbacks,
+            explain,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints:
@@ -75,6 +89,7 @@ class Router:
                 request.model, f"{ready} of {len(candidates)} endpoints are ready"
             )
         first = decision.endpoints[0]
+        ticket = self.fleet.inflight.add(first.address, request.expected_tokens())
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
         if decision.scores is not None:
@@ -85,12 +100,16 @@ class Router:
                 ",".join(e.address for e in decision.endpoints),
                 json.dumps(decision.scores, sort_keys=True),
             )
-        return decision
+        return decision, ticket
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request's stream ended: its work no longer counts against the endpoint."""
+        self.fleet.inflight.release(ticket)
 
 
 def _models_body(config: Config) -> bytes:
     data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "epp", "pools": list(pools)}
-        for name, pools in sorted(config.models.items())
+        {"id": name, "object": "model", "created": 0, "owned_by": "epp", "pools": list(spec.pools)}
+        for name, spec in sorted(config.models.items())
     ]
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()

@@ -44,4 +44,8 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 for answer in answers:
                     yield answer
         finally:
+            # Envoy closes the stream when the HTTP exchange ends (response sent or reset), so
+            # this is where the request stops counting against its endpoint.
+            if handler.ticket is not None:
+                self._router.finish(handler.ticket)
             IN_FLIGHT.dec()

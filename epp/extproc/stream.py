@@ -24,6 +24,7 @@ from epp.extproc import responses
 from epp.observability import REQUESTS
 from epp.request import parse_request
 from epp.router import Router
+from epp.state.inflight import Ticket
 
 log = logging.getLogger("epp.extproc")
 
@@ -50,7 +51,7 @@ class StreamHandler:
         "_response_full_duplex",
         "_router",
         "_subset",
-        "destination",
+        "ticket",
     )
 
     def __init__(self, router: Router) -> None:
@@ -62,8 +63,8 @@ class StreamHandler:
         self._response_full_duplex = False
         self._subset: list[str] | None = None
         self._done = False
-        # The chosen endpoint (first of the list), for accounting when the stream ends.
-        self.destination: str | None = None
+        # In-flight accounting of the pick, released by the servicer when the stream ends.
+        self.ticket: Ticket | None = None
 
     def handle(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         kind = message.WhichOneof("request")
@@ -133,11 +134,10 @@ class StreamHandler:
         path = headers.get(":path", "")
         try:
             request = parse_request(path, headers, body, self._router.config.request)
-            decision = self._router.route(request, self._subset)
+            decision, self.ticket = self._router.route(request, self._subset)
         except RequestError as error:
             return (self._refuse(error),)
         destination = ",".join(e.address for e in decision.endpoints)
-        self.destination = decision.endpoints[0].address
         remove = _present(headers, CONTROL_HEADERS)
         if self._full_duplex:
             return (

@@ -16,14 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from epp.request import InferenceRequest
+from epp.state.fleet import FleetState
 from epp.state.snapshot import EndpointState, Snapshot
 
 
 @dataclass(slots=True)
 class Cycle:
-    """Per-request scheduling context: the snapshot used and data shared between plugins."""
+    """Per-request scheduling context.
+
+    ``snapshot`` is the endpoint view used for the whole decision, ``fleet`` the long-lived
+    routing state (in-flight work, prefix indexes, sessions), ``data`` what one plugin computed
+    for others (token ids, block hashes) so per-request work is done once.
+    """
 
     snapshot: Snapshot
+    fleet: FleetState = field(default_factory=FleetState)
+    # Relative endpoint capacity (configured; missing means 1.0).
+    weights: Mapping[str, float] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -60,6 +69,13 @@ class Picker(Plugin):
     def pick(
         self, candidates: Sequence[EndpointState], totals: Sequence[float], count: int
     ) -> list[EndpointState]: ...
+
+
+class PostPick(Plugin):
+    """Told about every pick (after the decision), to update what scoring remembers."""
+
+    @abc.abstractmethod
+    def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None: ...
 
 
 P = TypeVar("P", bound=type[Plugin])
@@ -116,6 +132,7 @@ class Profile:
     filters: list[Filter]
     scorers: list[tuple[Scorer, float]]
     picker: Picker
+    post_pick: list[PostPick] = field(default_factory=list)
 
     def run(
         self,
@@ -143,4 +160,8 @@ class Profile:
         if breakdown is not None:
             for c, t in zip(candidates, totals, strict=True):
                 breakdown[c.address]["total"] = round(t, 4)
-        return Decision(self.picker.pick(candidates, totals, count), breakdown)
+        chosen = self.picker.pick(candidates, totals, count)
+        if chosen:
+            for hook in self.post_pick:
+                hook.on_pick(request, chosen[0], cycle)
+        return Decision(chosen, breakdown)

@@ -12,6 +12,7 @@ from epp.extproc.responses import MAX_CHUNK
 from epp.extproc.stream import StreamHandler
 from epp.router import Router
 from epp.state import EndpointMetrics, EndpointState
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -31,7 +32,7 @@ async def make_router(ready: tuple[str, ...] = ("127.0.0.1:8001", "127.0.0.1:800
         # 8001 has the longer queue, so 8002 must win.
         metrics = EndpointMetrics(waiting=10 - 10 * i)
         await store.put_endpoint(EndpointState(addr, "main", addr in ready, metrics, 1.0))
-    return Router(config, store)
+    return Router(config, FleetState(store))
 
 
 def headers_msg(

@@ -1,0 +1,20 @@
+"""Long-lived routing state that outlives any one configuration: the scheduler's memory.
+
+Plugins are rebuilt on every configuration reload; what they learn (in-flight work, prefix
+indexes, sessions) must not be lost with them, so it lives here, owned by the server and reached
+by plugins through the scheduling :class:`~epp.scheduling.Cycle`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epp.state.inflight import InflightTracker
+from epp.state.memory import MemoryStore
+from epp.state.store import StateStore
+
+
+@dataclass
+class FleetState:
+    store: StateStore = field(default_factory=MemoryStore)
+    inflight: InflightTracker = field(default_factory=InflightTracker)
