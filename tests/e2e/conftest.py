@@ -48,7 +48,14 @@ def stack(
             "pools": {"ghost": {"endpoints": [f"127.0.0.1:{free_port()}"]}},
         },
         # Room for the 2 MB prompt (about 1.2M tokens of this tokenizer) in one replica.
-        sim_args=["--max-model-len", "2000000", "--num-gpu-blocks", "130000"],
+        sim_args=[
+            "--max-model-len",
+            "2000000",
+            "--num-gpu-blocks",
+            "130000",
+            "--time-scale",
+            "0.01",
+        ],
     )
     s.start()
     yield s

@@ -1,0 +1,104 @@
+"""vLLM KV cache events over ZMQ PUB (vllm/distributed/kv_events.py, ZmqEventPublisher).
+
+Wire layout: 3 frames [topic, seq as uint64 big-endian, msgpack payload]; the payload is
+[ts, [event, ...], data_parallel_rank]; events are maps tagged by "type". Events raised during
+one engine step are sent as one batch, like vLLM's per-step batch; seq counts batches from 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+MEDIUM = "GPU"
+
+
+class KVEventPublisher:
+    """Collects cache events (the BlockPool's listener) and publishes them in batches."""
+
+    def __init__(
+        self, endpoint: str, topic: str, block_size: int, lora_ids: dict[str, int]
+    ) -> None:
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self.block_size = block_size
+        self.lora_ids = lora_ids
+        self.pending: list[dict[str, Any]] = []
+        self.seq = 0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ready = asyncio.Event()
+
+    def start(self) -> None:
+        # One shared context (its I/O thread serves every replica of the process).
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # vLLM's rule: bind wildcard and local-transport endpoints, connect to anything else
+        # (then the subscriber is the one that binds).
+        if any(m in self.endpoint for m in ("*", "::")) or self.endpoint.startswith(
+            ("ipc://", "inproc://")
+        ):
+            self._sock.bind(self.endpoint)
+        else:
+            self._sock.connect(self.endpoint)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # CacheEventListener
+    def block_stored(
+        self, hashes: list[int], parent: int | None, token_ids: list[int], lora: str | None
+    ) -> None:
+        # Field order is vLLM's struct order. extra_keys has one entry per block: the key
+        # tuple mixed into that block's hash (the LoRA name here) or None.
+        self._add(
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": token_ids,
+                "block_size": self.block_size,
+                "lora_id": self.lora_ids.get(lora) if lora else None,
+                "medium": MEDIUM,
+                "lora_name": lora,
+                "extra_keys": [[lora] if lora else None for _ in hashes],
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
+            }
+        )
+
+    def block_removed(self, hashes: list[int]) -> None:
+        self._add(
+            {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM, "group_idx": 0}
+        )
+
+    def all_cleared(self) -> None:
+        self._add({"type": "AllBlocksCleared"})
+
+    def _add(self, event: dict[str, Any]) -> None:
+        self.pending.append(event)
+        self._ready.set()
+
+    def encode_batch(self) -> list[bytes]:
+        """Take the pending events as one 3-frame message."""
+        payload = msgpack.packb([time.time(), self.pending, 0])
+        self.pending = []
+        frames = [self.topic, self.seq.to_bytes(8, "big"), payload]
+        self.seq += 1
+        return frames
+
+    async def run(self) -> None:
+        """Send pending events. Events raised in one step arrive together; yielding once to
+        the loop before sending lets a whole step's events join one batch."""
+        while True:
+            await self._ready.wait()
+            await asyncio.sleep(0)
+            self._ready.clear()
+            if self.pending and self._sock is not None:
+                await self._sock.send_multipart(self.encode_batch())

@@ -1,0 +1,116 @@
+"""One simulated vLLM server: engine + tokenizer + metrics + KV events + HTTP listener.
+
+Several replicas can live in one process (--replicas): each has its own engine task, metrics
+registry, event publisher and listening socket, and shares only the event loop and tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from epp.sim.engine import Engine, EngineConfig
+from epp.sim.faults import Faults
+from epp.sim.kv_events import KVEventPublisher
+from epp.sim.metrics import EngineMetrics
+from epp.sim.request import SimRequest
+from epp.sim.tokenization import SimTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    host: str
+    port: int
+    model: str
+    engine: EngineConfig
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
+    enable_prompt_tokens_details: bool = False
+    # A crash fault ends the process when this replica is alone in it; with --replicas (or in
+    # tests) it only drops this replica's listener and connections.
+    crash_exits_process: bool = False
+    seed: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class Replica:
+    def __init__(self, config: ReplicaConfig, tokenizer: SimTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.faults = Faults(rng=random.Random(config.seed))
+        # vLLM numbers adapters from 1 in --lora-modules order; KV events carry the id.
+        self.lora_ids = {name: i for i, name in enumerate(config.lora_modules, start=1)}
+        ecfg = config.engine
+        cache_info = {
+            "block_size": str(ecfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(ecfg.enable_prefix_caching),
+            "num_gpu_blocks": str(ecfg.num_gpu_blocks),
+            "num_cpu_blocks": "None",
+            "kv_cache_size_tokens": str(ecfg.num_gpu_blocks * ecfg.block_size),
+            "prefix_caching_hash_algo": "xxhash64",
+        }
+        self.metrics = EngineMetrics(config.model, cache_info, ecfg.max_loras, ecfg.max_model_len)
+        self.events = (
+            KVEventPublisher(
+                config.kv_events_endpoint, config.kv_events_topic, ecfg.block_size, self.lora_ids
+            )
+            if config.kv_events_endpoint
+            else None
+        )
+        self.engine = Engine(ecfg, self._next_token, self.metrics, self.events)
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _next_token(self, req: SimRequest) -> int:
+        return self.tokenizer.filler_token(req.prompt_token_ids, len(req.output_token_ids))
+
+    async def start(self) -> None:
+        from epp.sim.server import make_app  # server imports Replica for typing
+
+        self._tasks.append(
+            asyncio.create_task(self.engine.run(), name=f"engine {self.config.address}")
+        )
+        if self.events:
+            self.events.start()
+            self._tasks.append(asyncio.create_task(self.events.run(), name="kv-events"))
+        # handler_cancellation: a client that disconnects aborts its request, as in vLLM.
+        self._runner = web.AppRunner(make_app(self), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._runner:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.events:
+            self.events.close()
+
+    def crash(self) -> None:
+        """Die abruptly: no graceful close, open connections are reset."""
+        if self.config.crash_exits_process:
+            log.warning("crash fault: exiting")
+            os._exit(1)
+        log.warning("crash fault: dropping replica %s", self.config.address)
+        if self._runner is not None:
+            server = self._runner.server
+            for handler in list(server.connections) if server else []:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        asyncio.get_running_loop().create_task(self.stop())

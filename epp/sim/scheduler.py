@@ -1,0 +1,119 @@
+"""Continuous-batching scheduler modelled on vLLM v1's (FCFS policy).
+
+Each step gets a token budget (max_num_batched_tokens). Running requests are served first, in
+order: a decode needs 1 token, an unfinished prefill the rest of its prompt (chunked to the
+budget). When KV blocks run out the most recently admitted running request is preempted
+(recompute: its blocks are freed and it goes back to the front of the waiting queue). Then, if
+nothing was preempted, waiting requests are admitted FCFS while the budget, max_num_seqs,
+the KV pool and LoRA slots allow; a request whose adapter cannot get a slot is skipped so
+the ones behind it are not blocked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epp.sim.kv_manager import KVCacheManager
+from epp.sim.request import SimRequest, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int = 0
+
+
+@dataclass
+class Batch:
+    """What one engine step computes: tokens per request."""
+
+    num_tokens: dict[SimRequest, int] = field(default_factory=dict)
+    preempted: list[SimRequest] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.num_tokens)
+
+
+@dataclass
+class Scheduler:
+    config: SchedulerConfig
+    kv: KVCacheManager
+    waiting: deque[SimRequest] = field(default_factory=deque)
+    running: list[SimRequest] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def add(self, req: SimRequest) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_loras(self) -> set[str]:
+        return {r.lora for r in self.running if r.lora}
+
+    def schedule(self, now: float) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.num_tokens[req] = n
+                budget -= n
+                i += 1
+                continue
+            break
+        if not batch.preempted:
+            self._admit(batch, budget, now)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int, now: float) -> None:
+        skipped: list[SimRequest] = []
+        loras = self.running_loras()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.lora and req.lora not in loras and len(loras) >= self.config.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            req.status = Status.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                req.num_cached_tokens = num_hit
+            if req.lora:
+                loras.add(req.lora)
+            self.running.append(req)
+            batch.num_tokens[req] = n
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: SimRequest, status: Status) -> None:
+        """Remove a request (finished or aborted) wherever it is and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status

@@ -1,0 +1,279 @@
+"""HTTP surface against real listening replicas: OpenAI formats (parsed like a client would),
+/tokenize, /metrics, admin faults, sglang-router probes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epp.sim.replica import Replica
+from epp.sim.request import SimRequest
+from epp.sim.server import next_tokens
+
+from .conftest import engine_config
+
+
+def url(replica: Replica, path: str) -> str:
+    return f"http://{replica.config.address}{path}"
+
+
+async def post(replica: Replica, path: str, body: Any) -> tuple[int, dict[str, Any], Any]:
+    async with aiohttp.ClientSession() as s, s.post(url(replica, path), json=body) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+async def sse_events(replica: Replica, path: str, body: dict[str, Any]) -> list[Any]:
+    """Read an SSE stream line by line as the OpenAI client does; [DONE] must end it."""
+    events: list[Any] = []
+    async with aiohttp.ClientSession() as s, s.post(url(replica, path), json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await r.read()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events.pop() == "[DONE]"
+    return events
+
+
+async def scrape(replica: Replica) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(url(replica, "/metrics")) as r:
+        text = await r.text()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Any], family: str, name: str | None = None) -> float:
+    (s,) = [s for s in families[family].samples if s.name == (name or family)]
+    return s.value
+
+
+async def test_completion_returns_max_tokens_and_usage(start_replica) -> None:
+    r = await start_replica()
+    status, headers, body = await post(
+        r, "/v1/completions", {"model": "tiny", "prompt": "def f(x):", "max_tokens": 7}
+    )
+    assert status == 200
+    assert headers["x-served-by"] == r.config.address
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"]
+    prompt_tokens = len(r.tokenizer.encode("def f(x):"))
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + 7,
+        "completion_tokens": 7,
+        "prompt_tokens_details": None,
+    }
+
+
+async def test_chat_stream_is_openai_sse_with_usage_chunk(start_replica) -> None:
+    # Real-time steps (~3 ms): the client keeps up, so each token gets its own chunk.
+    r = await start_replica(engine=engine_config(time_scale=1.0))
+    messages = [{"role": "user", "content": "hello"}]
+    events = await sse_events(
+        r,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": messages,
+            "max_completion_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert {e["id"] for e in events} == {events[0]["id"]}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [e["choices"][0] for e in events[1:-1]]
+    assert len(content) == 4
+    assert [c["finish_reason"] for c in content] == [None, None, None, "length"]
+    usage_chunk = events[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 4
+    assert usage_chunk["usage"]["prompt_tokens"] == len(r.tokenizer.encode_chat(messages))
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_completion_stream_without_usage_ends_with_done(start_replica) -> None:
+    r = await start_replica(engine=engine_config(time_scale=1.0))
+    events = await sse_events(
+        r, "/v1/completions", {"prompt": "x = 1", "max_tokens": 3, "stream": True}
+    )
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]
+    assert all("usage" not in e for e in events)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "other", "prompt": "x"}, 404, "model"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": 5}, 400, "prompt"),
+        ({"prompt": [1, 99999]}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 500}, 400, None),  # beyond max_model_len (200)
+    ],
+)
+async def test_bad_requests_get_openai_errors(start_replica, body, status, param) -> None:
+    r = await start_replica()
+    code, _, err = await post(r, "/v1/completions", body)
+    assert code == status
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["code"] == status
+    assert err["error"]["param"] == param
+
+
+async def test_tokenize_prompt_and_messages_in_vllm_format(start_replica) -> None:
+    r = await start_replica()
+    _, _, body = await post(r, "/tokenize", {"model": "tiny", "prompt": "hello world"})
+    assert body == {
+        "count": len(body["tokens"]),
+        "max_model_len": 200,
+        "tokens": r.tokenizer.encode("hello world"),
+        "token_strs": None,
+    }
+    assert body["tokens"][0] == 0  # BOS added for prompts
+    messages = [{"role": "user", "content": "hi"}]
+    _, _, chat = await post(r, "/tokenize", {"model": "tiny", "messages": messages})
+    assert chat["tokens"] == r.tokenizer.encode_chat(messages)
+    assert chat["tokens"].count(0) == 1  # the template's BOS only, none added
+
+
+async def test_metrics_use_vllm_names_labels_and_count_prefix_hits(start_replica) -> None:
+    r = await start_replica()
+    prompt = list(range(1, 30))  # token ids: 7 full blocks of 4
+    for _ in range(2):
+        status, _, _ = await post(r, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status == 200
+    m = await scrape(r)
+    labels = {"engine": "0", "model_name": "tiny"}
+    for family in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
+        assert m[family].type == "gauge"
+        assert m[family].samples[0].labels == labels
+    assert sample(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 58
+    assert sample(m, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 28
+    assert m["vllm:time_to_first_token_seconds"].type == "histogram"
+    ttft_count = sample(
+        m, "vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count"
+    )
+    assert ttft_count == 2
+    for family in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        assert sample(m, family, f"{family}_count") == 2
+    (info,) = m["vllm:cache_config_info"].samples
+    assert info.value == 1
+    assert info.labels["block_size"] == "4"
+    assert info.labels["num_gpu_blocks"] == "64"
+    assert info.labels["enable_prefix_caching"] == "True"
+    assert sample(m, "vllm:num_preemptions", "vllm:num_preemptions_total") == 0
+    assert sample(m, "vllm:kv_cache_usage_perc") == 0.0  # cached blocks are free
+    assert "vllm:lora_requests_info" not in m or not m["vllm:lora_requests_info"].samples
+
+
+async def test_hang_builds_a_queue_visible_in_metrics_then_drains(start_replica) -> None:
+    r = await start_replica()
+    status, _, faults = await post(r, "/admin/faults", {"hang": True})
+    assert (status, faults["hang"]) == (200, True)
+    tasks = [
+        asyncio.create_task(post(r, "/v1/completions", {"prompt": "q", "max_tokens": 2}))
+        for _ in range(3)
+    ]
+    await asyncio.sleep(0.1)
+    m = await scrape(r)
+    assert sample(m, "vllm:num_requests_waiting") == 3
+    assert not any(t.done() for t in tasks)
+    await post(r, "/admin/faults", {"hang": False})
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert [s for s, _, _ in results] == [200, 200, 200]
+    assert sample(await scrape(r), "vllm:num_requests_waiting") == 0
+
+
+async def test_latency_and_error_faults(start_replica) -> None:
+    r = await start_replica()
+    async with aiohttp.ClientSession() as s, s.get(url(r, "/admin/faults")) as resp:
+        assert await resp.json() == {"latency_ms": 0.0, "error_rate": 0.0, "hang": False}
+    await post(r, "/admin/faults", {"latency_ms": 150})
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    status, _, _ = await post(r, "/v1/completions", {"prompt": "q", "max_tokens": 1})
+    assert status == 200
+    assert loop.time() - t0 >= 0.15
+    await post(r, "/admin/faults", {"latency_ms": 0, "error_rate": 1.0})
+    status, headers, err = await post(r, "/v1/completions", {"prompt": "q"})
+    assert status == 500
+    assert headers["x-served-by"] == r.config.address
+    assert err["error"]["type"] == "InternalServerError"
+    for bad in ({"error_rate": 2}, {"latency": 5}, {"crash": "yes"}):
+        status, _, err = await post(r, "/admin/faults", bad)
+        assert status == 400, bad
+
+
+async def test_crash_drops_the_listener(start_replica) -> None:
+    r = await start_replica()
+    status, _, _ = await post(r, "/admin/faults", {"crash": True})
+    assert status == 200
+    await asyncio.sleep(0.2)
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await post(r, "/v1/completions", {"prompt": "q"})
+
+
+async def test_models_health_and_router_probes(start_replica) -> None:
+    r = await start_replica(
+        lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1)
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(r, "/health")) as resp:
+            assert resp.status == 200
+        async with s.get(url(r, "/v1/models")) as resp:
+            models = await resp.json()
+        async with s.get(url(r, "/get_server_info")) as resp:
+            info = await resp.json()
+        async with s.get(url(r, "/model_info")) as resp:
+            model_info = await resp.json()
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [("tiny", None), ("sql", "tiny")]
+    assert info["model_path"] == str(r.tokenizer.directory)
+    assert model_info["tokenizer_path"] == str(r.tokenizer.directory)
+
+
+async def test_lora_request_is_served_and_reported(start_replica) -> None:
+    r = await start_replica(
+        lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1)
+    )
+    status, _, body = await post(r, "/v1/completions", {"model": "sql", "prompt": "select"})
+    assert (status, body["model"]) == (200, "sql")
+    samples = (await scrape(r))["vllm:lora_requests_info"].samples
+    assert {s.labels["max_lora"] for s in samples} == {"1"}
+    latest = max(samples, key=lambda s: s.value)
+    assert latest.labels["running_lora_adapters"] == ""
+    assert any(s.labels["running_lora_adapters"] == "sql" for s in samples)
+
+
+async def test_tokens_queued_while_the_writer_was_busy_are_merged() -> None:
+    req = SimRequest("r", [1], 3, 0.0)
+    for item in ([5], [6], [7], None):
+        req.outputs.put_nowait(item)
+    assert await next_tokens(req) == ([5, 6, 7], True)
+    req = SimRequest("r", [1], 3, 0.0)
+    req.outputs.put_nowait([5])
+    assert await next_tokens(req) == ([5], False)
+
+
+async def test_client_disconnect_aborts_the_request(start_replica) -> None:
+    r = await start_replica(engine=engine_config(time_scale=1.0))
+    body = {"prompt": "x", "max_tokens": 150, "stream": True}  # ~0.4 s of decoding
+    async with aiohttp.ClientSession() as s, s.post(url(r, "/v1/completions"), json=body) as resp:
+        await resp.content.readline()
+        assert sample(await scrape(r), "vllm:num_requests_running") == 1
+    await asyncio.sleep(0.1)
+    m = await scrape(r)
+    assert sample(m, "vllm:num_requests_running") == 0
+    assert sample(m, "vllm:kv_cache_usage_perc") == 0.0
