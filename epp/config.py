@@ -3,7 +3,7 @@
 Shape (every section optional except ``models`` and ``pools``)::
 
     models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR}}
-    pools:    {POOL: {endpoints: [host:port | {address: host:port, weight: W}, ...]}}
+    pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}}
     server:   {host, extproc_port, health_port, metrics_port, log_level}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain}
@@ -21,7 +21,7 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -104,6 +104,8 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     # Relative capacity of endpoints (default 1.0): a replica of weight 2 takes twice the work.
     weights: Mapping[str, float] = field(default_factory=dict)
+    # ZMQ address of each endpoint's vLLM KV-event publisher (tcp://host:port), where known.
+    kv_events: Mapping[str, str] = field(default_factory=dict)
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -135,18 +137,19 @@ def load_config(path: str | Path) -> Config:
 def parse_config(data: Any, source: str = "<config>") -> Config:
     root = _Node(data, "", source)
     root.only("models", "pools", "server", "scrape", "routing", "request", "scheduling", "store")
-    pools, weights = _pools(root.child("pools", required=True))
-    models = _models(root.child("models", required=True), pools)
+    pools = _pools(root.child("pools", required=True))
+    models = _models(root.child("models", required=True), pools.endpoints)
     return Config(
         models=models,
-        pools=pools,
+        pools=pools.endpoints,
         profile=_scheduling(root.child("scheduling")),
         server=_server(root.child("server")),
         scrape=_scrape(root.child("scrape")),
         routing=_routing(root.child("routing")),
         request=_request(root.child("request")),
         store=_store(root.child("store")),
-        weights=weights,
+        weights=pools.weights,
+        kv_events=pools.kv_events,
         source=source,
     )
 
@@ -229,9 +232,16 @@ def _address(node: _Node) -> str:
     return value
 
 
-def _pools(node: _Node) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
+class _Pools(NamedTuple):
+    endpoints: dict[str, tuple[str, ...]]
+    weights: dict[str, float]
+    kv_events: dict[str, str]
+
+
+def _pools(node: _Node) -> _Pools:
     pools: dict[str, tuple[str, ...]] = {}
     weights: dict[str, float] = {}
+    kv_events: dict[str, str] = {}
     seen: dict[str, str] = {}
     for name, pool in node.items():
         pool.only("endpoints")
@@ -241,11 +251,16 @@ def _pools(node: _Node) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
         addrs = []
         for ep in endpoints:
             if isinstance(ep.value, dict):
-                ep.only("address", "weight")
+                ep.only("address", "weight", "kv_events")
                 addr = _address(ep.child("address", required=True))
                 weight = ep.positive("weight", float, 1.0)
                 if weight != 1.0:
                     weights[addr] = weight
+                events = ep.get("kv_events", str, None)
+                if events is not None:
+                    if not events.startswith(("tcp://", "ipc://")):
+                        raise ep.at("kv_events").error("must be a tcp:// or ipc:// ZMQ address")
+                    kv_events[addr] = events
             else:
                 addr = _address(ep)
             if addr in seen:
@@ -255,7 +270,7 @@ def _pools(node: _Node) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
         pools[name] = tuple(addrs)
     if not pools:
         raise node.error("must define at least one pool")
-    return pools, weights
+    return _Pools(pools, weights, kv_events)
 
 
 def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, ModelConfig]:
