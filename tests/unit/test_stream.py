@@ -170,3 +170,15 @@ async def test_get_models_is_answered_by_epp() -> None:
     assert [m["id"] for m in payload["data"]] == ["other", "tiny"]  # type: ignore[index]
     (answer,) = StreamHandler(await make_router()).handle(headers_msg("/health", "GET", eos=True))
     assert immediate(answer)[0] == 400
+
+
+async def test_pick_counts_in_flight_until_finished() -> None:
+    router = await make_router()
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    handler.handle(body_msg(BODY))
+    assert handler.ticket is not None
+    load = router.fleet.inflight.load("127.0.0.1:8002")
+    assert (load.requests, load.tokens) == (1, len("hello") // 4 + 1 + 4)
+    router.finish(handler.ticket)
+    assert router.fleet.inflight.load("127.0.0.1:8002").requests == 0

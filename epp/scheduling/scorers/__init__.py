@@ -1,5 +1,5 @@
 """Scorers: rate each candidate endpoint in [0, 1] for a request."""
 
-from epp.scheduling.scorers import kv_utilization, queue
+from epp.scheduling.scorers import kv_utilization, load, queue, ttft
 
-__all__ = ["kv_utilization", "queue"]
+__all__ = ["kv_utilization", "load", "queue", "ttft"]

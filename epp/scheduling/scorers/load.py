@@ -1,0 +1,48 @@
+"""Prefer endpoints with less outstanding work, counted the moment epp routes it.
+
+Scraped queue depth is up to one scrape interval old: a burst that arrives between two scrapes
+would see every replica as it was and pile onto the one that looked idlest. This scorer reads
+epp's own in-flight tokens (prompt plus requested output, added at each pick, released when the
+request's stream ends; summed over every epp process when state is shared) and, for work epp did
+not route (other gateways, requests still queued from before a restart), the scraped queue. The
+larger of the two is the endpoint's load, divided by its capacity weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epp.request import InferenceRequest
+from epp.scheduling.framework import Cycle, Scorer, register
+from epp.state.snapshot import EndpointState
+
+
+def outstanding_tokens(endpoint: EndpointState, cycle: Cycle, tokens_per_request: int) -> float:
+    """Work ahead of a new request on ``endpoint``, in tokens, per unit of capacity."""
+    own = cycle.fleet.inflight.load(endpoint.address).tokens
+    metrics = endpoint.metrics
+    scraped = (metrics.waiting + metrics.running) * tokens_per_request
+    return max(own, scraped) / cycle.weights.get(endpoint.address, 1.0)
+
+
+@register("inflight-load-scorer", "active-request-scorer")
+class InflightLoadScorer(Scorer):
+    """Score in [0, 1]: 1 for the least loaded candidate, falling linearly to 0 for the most.
+
+    ``tokens_per_request`` converts scraped request counts to tokens when epp has no count of
+    its own for them.
+    """
+
+    def __init__(self, tokens_per_request: int = 512) -> None:
+        if tokens_per_request <= 0:
+            raise ValueError("tokens_per_request must be > 0")
+        self.tokens_per_request = tokens_per_request
+
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+    ) -> list[float]:
+        loads = [outstanding_tokens(c, cycle, self.tokens_per_request) for c in candidates]
+        low, high = min(loads), max(loads)
+        if high == low:
+            return [1.0] * len(loads)
+        return [(high - load) / (high - low) for load in loads]
