@@ -1,0 +1,256 @@
+"""State store shared through Redis by several epp processes.
+
+Redis is an accelerator of agreement, not a dependency of availability: every call the picker
+and the sources make is served from the local copy-on-write snapshot, and one background task
+talks to Redis. Each tick it sends a single pipeline (one round trip) that writes the states put
+since the last tick (``SET {prefix}:ep:{address} <json> PX ttl``) and reads every endpoint this
+process knows with one ``MGET``; a remote state replaces the local one only if it was scraped
+more recently, so processes converge on the freshest observation of each endpoint.
+
+When Redis is unreachable the store keeps serving local state, logs one warning, reports
+``epp_state_store_up 0`` and retries with capped, jittered exponential backoff; when Redis answers
+again it logs once and pushes the whole local state, since Redis may have restarted empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from epp.observability import STORE_UP
+from epp.state.local import LocalSnapshot
+from epp.state.snapshot import EndpointMetrics, EndpointState, Snapshot
+from epp.state.store import StateStore
+
+log = logging.getLogger(__name__)
+
+# A hung Redis must not stall the sync loop for long; URL query options can override these.
+_SOCKET_TIMEOUT = 1.0
+# Backoff between attempts while Redis is down: doubles from the refresh interval up to this.
+_MAX_BACKOFF = 1.0
+
+# Derived from the dataclass so a new metric field is shipped without touching this module; set
+# fields (adapter names) travel as sorted JSON lists.
+_METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(EndpointMetrics))
+_SET_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(EndpointMetrics) if f.default == frozenset()
+)
+
+
+class RedisStore(StateStore):
+    """Local snapshot plus a background sync of endpoint states with Redis.
+
+    ``url`` is a redis-py URL: ``redis://[user:password@]host:port/db`` or ``rediss://`` for
+    TLS (certificate options as query parameters, e.g. ``?ssl_ca_certs=/path/ca.pem``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "epp",
+        refresh_interval: float = 0.05,
+        ttl: float = 5.0,
+    ) -> None:
+        if refresh_interval <= 0 or ttl <= 0:
+            raise ValueError("refresh_interval and ttl must be > 0")
+        # Parsing the URL here makes a malformed one a configuration error; nothing connects yet.
+        self._redis = Redis.from_url(
+            url,
+            socket_timeout=_SOCKET_TIMEOUT,
+            socket_connect_timeout=_SOCKET_TIMEOUT,
+            # One immediate retry covers a pooled connection the server closed; anything longer
+            # is our own backoff, which keeps the loop's state (up/down, logging) in one place.
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._where = _redact(url)
+        self._prefix = key_prefix
+        self._interval = refresh_interval
+        self._ttl_ms = max(1, round(ttl * 1000))
+        self._local = LocalSnapshot()
+        # Endpoints this process cares about: read from Redis each tick.
+        self._known: set[str] = set()
+        # Latest state per endpoint put since the last successful write.
+        self._pending: dict[str, EndpointState] = {}
+        # None until the first attempt, so the first outcome is logged either way.
+        self._up: bool | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="epp-redis-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._stopping = True
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._up = None
+        await self._redis.aclose()
+
+    def snapshot(self) -> Snapshot:
+        return self._local.current
+
+    async def put_endpoint(self, state: EndpointState) -> None:
+        self._known.add(state.address)
+        if self._local.update((state,)):
+            self._pending[state.address] = state
+
+    async def retain(self, addresses: Iterable[str]) -> None:
+        # Also how endpoints become known before this process has scraped them: a fresh process
+        # picks up other processes' states for its configured endpoints on its first tick.
+        # Removed endpoints' keys are left to expire: other processes may still use them.
+        self._known = set(addresses)
+        self._local.retain(self._known)
+        self._pending = {a: s for a, s in self._pending.items() if a in self._known}
+
+    def _key(self, address: str) -> str:
+        return f"{self._prefix}:ep:{address}"
+
+    async def _run(self) -> None:
+        backoff = self._interval
+        # The flag, not only the cancellation, ends the loop: redis-py sends commands under
+        # asyncio.wait_for, which on Python 3.11 swallows a cancellation that arrives as the
+        # send completes (CPython gh-86296), and the loop would then run on after stop().
+        while not self._stopping:
+            try:
+                await self._sync()
+            # Whatever went wrong (connection, timeout, auth, a server error), the tick failed;
+            # the loop must survive it.
+            except Exception as exc:
+                self._set_up(False, exc)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                continue
+            self._set_up(True)
+            backoff = self._interval
+            await asyncio.sleep(self._interval)
+
+    async def _sync(self) -> None:
+        if self._up is not True:
+            # First contact or back after an outage: Redis may be empty, push everything.
+            for address, state in self._local.current.endpoints.items():
+                self._pending.setdefault(address, state)
+        batch, self._pending = self._pending, {}
+        addresses = list(self._known)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for state in batch.values():
+                    pipe.set(self._key(state.address), _encode(state), px=self._ttl_ms)
+                if addresses:
+                    pipe.mget([self._key(a) for a in addresses])
+                if not batch and not addresses:
+                    pipe.ping()  # nothing to do, but STORE_UP must still tell the truth
+                results = await pipe.execute()
+        except BaseException:
+            # Not written: queue again, unless a newer state was put or the endpoint was dropped
+            # while we waited.
+            for address, state in batch.items():
+                if address in self._known:
+                    self._pending.setdefault(address, state)
+            raise
+        if addresses:
+            self._merge(addresses, results[-1])
+
+    def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:
+        # Compared against the snapshot as it is now, after the await: puts and retains that
+        # happened during the round trip win over what Redis said before them.
+        current = self._local.current.endpoints
+        newer: list[EndpointState] = []
+        for address, raw in zip(addresses, raws, strict=True):
+            if raw is None or address not in self._known:
+                continue
+            try:
+                state = _decode(raw)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.debug("ignoring unreadable state for %s in redis: %s", address, exc)
+                continue
+            local = current.get(address)
+            if state.address != address:
+                continue
+            if local is None or state.scraped_at > local.scraped_at:
+                newer.append(state)
+            elif state.scraped_at < local.scraped_at:
+                # Another process overwrote our fresher observation (writes are last-writer-wins,
+                # not newest-wins): write ours back, so Redis converges even if we do not scrape
+                # this endpoint again soon.
+                self._pending.setdefault(address, local)
+        self._local.update(newer)
+
+    def _set_up(self, up: bool, exc: Exception | None = None) -> None:
+        if up == self._up:
+            return
+        if up:
+            if self._up is None:
+                log.info("state store connected to redis at %s", self._where)
+            else:
+                log.info("redis at %s is reachable again; local state pushed", self._where)
+        else:
+            log.warning(
+                "redis at %s is unreachable (%s); serving local state, retrying in the background",
+                self._where,
+                str(exc) or type(exc).__name__,
+            )
+        STORE_UP.set(1 if up else 0)
+        self._up = up
+
+
+def _encode(state: EndpointState) -> str:
+    metrics = {
+        name: sorted(value) if name in _SET_FIELDS else value
+        for name in _METRIC_FIELDS
+        if (value := getattr(state.metrics, name)) is not None
+    }
+    return json.dumps(
+        {
+            "address": state.address,
+            "pool": state.pool,
+            "ready": state.ready,
+            "scraped_at": state.scraped_at,
+            "failures": state.failures,
+            "metrics": metrics,
+        },
+        separators=(",", ":"),
+    )
+
+
+def _decode(raw: bytes) -> EndpointState:
+    data: dict[str, Any] = json.loads(raw)
+    # Unknown metric fields are ignored and missing ones take their defaults, so processes of
+    # neighbouring versions can share one Redis during a rolling upgrade.
+    fields = data["metrics"]
+    metrics = EndpointMetrics(
+        **{
+            name: frozenset(fields[name]) if name in _SET_FIELDS else fields[name]
+            for name in _METRIC_FIELDS
+            if name in fields
+        }
+    )
+    return EndpointState(
+        address=str(data["address"]),
+        pool=str(data["pool"]),
+        ready=bool(data["ready"]),
+        metrics=metrics,
+        scraped_at=float(data["scraped_at"]),
+        failures=int(data["failures"]),
+    )
+
+
+def _redact(url: str) -> str:
+    """The URL without credentials, for log lines."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"

@@ -1,0 +1,308 @@
+"""MetricsScraper against real aiohttp servers on 127.0.0.1 serving vLLM metrics pages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from prometheus_client import REGISTRY
+
+from epp.sources.scraper import MetricsScraper
+from epp.state.memory import MemoryStore
+from epp.state.snapshot import EndpointState
+
+PAGE = (Path(__file__).resolve().parent.parent / "fixtures" / "metrics_sample_v0.txt").read_text()
+
+
+class FakeVllm:
+    """A /metrics server whose answer, delay and liveness a test controls."""
+
+    def __init__(self) -> None:
+        self.page = PAGE
+        self.status = 200
+        self.delay = 0.0
+        self.hits = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.hits += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            return web.Response(text=self.page, status=self.status, content_type="text/plain")
+        finally:
+            self.in_flight -= 1
+
+    async def start(self) -> None:
+        """Listen on a free port the first time, on the same port after a stop."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Callable[[], FakeVllm]]:
+    started: list[FakeVllm] = []
+
+    def make() -> FakeVllm:
+        server = FakeVllm()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        await server.stop()
+
+
+async def _server(make: Callable[[], FakeVllm]) -> FakeVllm:
+    server = make()
+    await server.start()
+    return server
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
+) -> float:
+    """Wait until ``condition()`` is true; return the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start
+
+
+class RecordingStore(MemoryStore):
+    """A MemoryStore that also keeps every state it was given, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: list[EndpointState] = []
+
+    async def put_endpoint(self, state: EndpointState) -> None:
+        self.puts.append(state)
+        await super().put_endpoint(state)
+
+
+def _state(store: MemoryStore, address: str) -> EndpointState | None:
+    return store.snapshot().get(address)
+
+
+def _ready(store: MemoryStore, address: str) -> bool:
+    state = _state(store, address)
+    return state is not None and state.ready
+
+
+def _scrapes(address: str, result: str) -> float:
+    return (
+        REGISTRY.get_sample_value("epp_scrapes_total", {"endpoint": address, "result": result})
+        or 0.0
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_endpoint_is_unready_until_first_scrape_then_ready(servers) -> None:
+    server = await _server(servers)
+    server.delay = 0.3  # the first scrape is still in flight while we look
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.02)
+    scraper.set_endpoints({server.address: "pool-a"})
+    await scraper.start()
+    try:
+        await eventually(lambda: _state(store, server.address) is not None, what="first publish")
+        assert not _ready(store, server.address)
+        assert (
+            REGISTRY.get_sample_value(
+                "epp_endpoint_ready", {"pool": "pool-a", "endpoint": server.address}
+            )
+            == 0.0
+        )
+
+        await eventually(lambda: _ready(store, server.address), what="ready")
+        state = _state(store, server.address)
+        assert state is not None
+        assert state.pool == "pool-a"
+        assert state.failures == 0
+        assert (state.metrics.running, state.metrics.waiting) == (3, 2)
+        assert abs(time.time() - state.scraped_at) < 1.0
+        assert _scrapes(server.address, "ok") >= 1
+        assert (
+            REGISTRY.get_sample_value(
+                "epp_endpoint_ready", {"pool": "pool-a", "endpoint": server.address}
+            )
+            == 1.0
+        )
+    finally:
+        await scraper.stop()
+
+
+async def test_stopped_replica_goes_unready_quickly_and_comes_back(servers, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="epp.sources.scraper")
+    server = await _server(servers)
+    store = RecordingStore()
+    scraper = MetricsScraper(store)  # defaults: 50 ms, 1 s timeout, 3 failures
+    scraper.set_endpoints({server.address: "p"})
+    await scraper.start()
+    try:
+        await eventually(lambda: _ready(store, server.address), what="ready")
+        errors_before = _scrapes(server.address, "error")
+
+        await server.stop()
+        stopped_at = len(store.puts)
+        took = await eventually(lambda: not _ready(store, server.address), what="unready")
+        # Connection refused is immediate: threshold * interval (+ jitter), far under a second.
+        assert took < 0.6
+        outage = store.puts[stopped_at:]
+        # Ready through two failures, unready from the third; last known metrics are kept.
+        assert [(s.failures, s.ready) for s in outage[:3]] == [(1, True), (2, True), (3, False)]
+        assert all(s.metrics.running == 3 and s.scraped_at > 0 for s in outage)
+        await asyncio.sleep(0.2)  # more failures: still exactly one warning
+        assert _scrapes(server.address, "error") - errors_before >= 5
+
+        await server.start()  # same port
+        await eventually(lambda: _ready(store, server.address), what="ready again")
+        state = _state(store, server.address)
+        assert state is not None
+        assert state.failures == 0
+    finally:
+        await scraper.stop()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    warnings = [m for level, m in messages if level == logging.WARNING]
+    assert len(warnings) == 1
+    assert "unready" in warnings[0]
+    readies = [m for level, m in messages if level == logging.INFO and "is ready" in m]
+    assert len(readies) == 2  # first success, and recovery
+
+
+async def test_slow_replica_times_out_and_counts_as_failure(servers) -> None:
+    server = await _server(servers)
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.02, timeout=0.1, failure_threshold=2)
+    scraper.set_endpoints({server.address: "p"})
+    await scraper.start()
+    try:
+        await eventually(lambda: _ready(store, server.address), what="ready")
+        timeouts_before = _scrapes(server.address, "timeout")
+        server.delay = 0.5
+        took = await eventually(lambda: not _ready(store, server.address), what="unready")
+        assert took >= 0.2  # two timeouts of 0.1 s each, not an instant failure
+        assert _scrapes(server.address, "timeout") - timeouts_before >= 2
+    finally:
+        await scraper.stop()
+
+
+@pytest.mark.parametrize(
+    ("status", "page"),
+    [(503, PAGE), (200, "<html>gateway</html>")],
+    ids=["http-503", "not-a-metrics-page"],
+)
+async def test_bad_answers_are_failures(servers, status: int, page: str) -> None:
+    server = await _server(servers)
+    server.status, server.page = status, page
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.01, failure_threshold=2)
+    scraper.set_endpoints({server.address: "p"})
+    await scraper.start()
+    try:
+        await eventually(lambda: server.hits >= 4, what="several scrapes")
+        state = _state(store, server.address)
+        assert state is not None
+        assert not state.ready
+        assert state.failures >= 3
+        assert state.scraped_at == 0.0
+        assert _scrapes(server.address, "error") >= 3
+    finally:
+        await scraper.stop()
+
+
+async def test_dead_endpoint_does_not_affect_others(servers) -> None:
+    good = await _server(servers)
+    dead = f"127.0.0.1:{_free_port()}"
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.02)
+    scraper.set_endpoints({good.address: "p", dead: "p"})
+    await scraper.start()
+    try:
+        await eventually(lambda: getattr(_state(store, dead), "failures", 0) >= 5, what="failures")
+        assert _ready(store, good.address)
+        good_state = _state(store, good.address)
+        assert good_state is not None
+        assert time.time() - good_state.scraped_at < 0.5
+        assert not _ready(store, dead)
+    finally:
+        await scraper.stop()
+
+
+async def test_scrapes_of_one_endpoint_never_overlap(servers) -> None:
+    server = await _server(servers)
+    server.delay = 0.06  # three intervals per answer
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.02, timeout=1.0)
+    scraper.set_endpoints({server.address: "p"})
+    await scraper.start()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        await scraper.stop()
+    assert server.max_in_flight == 1
+    assert 4 <= server.hits <= 10
+
+
+async def test_set_endpoints_adds_removes_and_moves_endpoints(servers) -> None:
+    a = await _server(servers)
+    b = await _server(servers)
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=0.02)
+    scraper.set_endpoints({a.address: "p1"})
+    await scraper.start()
+    try:
+        await eventually(lambda: _ready(store, a.address), what="a ready")
+        assert b.hits == 0
+
+        scraper.set_endpoints({a.address: "p1", b.address: "p1"})
+        await eventually(lambda: _ready(store, b.address), what="b ready")
+
+        scraper.set_endpoints({b.address: "p2"})
+        await eventually(lambda: _state(store, a.address) is None, what="a forgotten")
+        await eventually(
+            lambda: getattr(_state(store, b.address), "pool", None) == "p2", what="b moved"
+        )
+        assert (
+            REGISTRY.get_sample_value("epp_endpoint_ready", {"pool": "p1", "endpoint": b.address})
+            is None
+        )
+        hits = a.hits
+        await asyncio.sleep(0.1)
+        assert a.hits == hits  # no longer scraped
+        assert _state(store, a.address) is None  # and not written back by a late scrape
+        assert _ready(store, b.address)
+    finally:
+        await scraper.stop()
