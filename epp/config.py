@@ -57,6 +57,10 @@ class ServerConfig:
     health_port: int = 9003
     metrics_port: int = 9090
     log_level: str = "info"
+    # On SIGTERM: report NOT_SERVING this long so Envoy's health checks move new requests to
+    # another epp, then give open streams (long generations) this long to finish.
+    drain_seconds: float = 3.0
+    shutdown_grace_seconds: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +299,15 @@ def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, Mode
 
 
 def _server(node: _Node) -> ServerConfig:
-    node.only("host", "extproc_port", "health_port", "metrics_port", "log_level")
+    node.only(
+        "host",
+        "extproc_port",
+        "health_port",
+        "metrics_port",
+        "log_level",
+        "drain_seconds",
+        "shutdown_grace_seconds",
+    )
     d = ServerConfig()
     ports = {
         key: node.positive(key, int, getattr(d, key), minimum=0)
@@ -304,7 +316,17 @@ def _server(node: _Node) -> ServerConfig:
     level = node.get("log_level", str, d.log_level)
     if level.lower() not in ("debug", "info", "warning", "error"):
         raise node.at("log_level").error("must be one of debug, info, warning, error")
-    return ServerConfig(host=node.get("host", str, d.host), log_level=level, **ports)
+    drain = node.get("drain_seconds", float, d.drain_seconds)
+    grace = node.get("shutdown_grace_seconds", float, d.shutdown_grace_seconds)
+    if drain < 0 or grace < 0:
+        raise node.error("drain_seconds and shutdown_grace_seconds must be >= 0")
+    return ServerConfig(
+        host=node.get("host", str, d.host),
+        log_level=level,
+        drain_seconds=drain,
+        shutdown_grace_seconds=grace,
+        **ports,
+    )
 
 
 def _scrape(node: _Node) -> ScrapeConfig:

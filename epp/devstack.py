@@ -122,7 +122,8 @@ class Stack:
         config: dict[str, Any] = {
             "models": {self.model: {"pools": ["main"]}},
             "pools": {"main": {"endpoints": self.replica_addresses}},
-            "server": {"host": "127.0.0.1"},
+            # Short drain: local stacks stop often and nothing depends on a graceful handover.
+            "server": {"host": "127.0.0.1", "drain_seconds": 0.2, "shutdown_grace_seconds": 2.0},
         }
         for key, value in self.config_extra.items():
             config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from epp import errors
 from epp.config import Config
@@ -23,6 +25,9 @@ from epp.state.inflight import Ticket
 
 log = logging.getLogger("epp.router")
 
+# Explained decisions kept for GET /debug/decisions (only while explaining is on).
+RECENT_DECISIONS = 1000
+
 
 class Router:
     """Picks endpoints for requests under one (replaceable) configuration."""
@@ -30,6 +35,7 @@ class Router:
     def __init__(self, config: Config, fleet: FleetState) -> None:
         self.fleet = fleet
         self.config = config
+        self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     @property
     def config(self) -> Config:
@@ -93,14 +99,21 @@ class Router:
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
         if decision.scores is not None:
-            log.debug(
-                "request %s model=%s -> %s scores=%s",
-                request.request_id,
-                request.model,
-                ",".join(e.address for e in decision.endpoints),
-                json.dumps(decision.scores, sort_keys=True),
-            )
+            self._remember(request, decision)
         return decision, ticket
+
+    def _remember(self, request: InferenceRequest, decision: Decision) -> None:
+        record = {
+            "request_id": request.request_id,
+            "model": request.model,
+            "at": time.time(),
+            "endpoints": [e.address for e in decision.endpoints],
+            "scores": decision.scores,
+        }
+        log.debug("decision %s", json.dumps(record, sort_keys=True))
+        self.decisions[request.request_id] = record
+        while len(self.decisions) > RECENT_DECISIONS:
+            self.decisions.popitem(last=False)
 
     def finish(self, ticket: Ticket) -> None:
         """The request's stream ended: its work no longer counts against the endpoint."""

@@ -16,10 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
-from prometheus_client import start_http_server
 
 from epp._proto import ext_proc_pb2_grpc
+from epp.admin import build_app
 from epp.config import Config, ConfigError, load_config
 from epp.extproc.health import Health
 from epp.extproc.servicer import ExtProcServicer
@@ -27,6 +28,7 @@ from epp.observability import CONFIG_RELOADS
 from epp.router import Router
 from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 
 log = logging.getLogger("epp.server")
@@ -63,7 +65,8 @@ class Server:
     def __init__(self, config_path: Path, config: Config) -> None:
         self.config_path = config_path
         self.store = make_store(config)
-        self.router = Router(config, self.store)
+        self.fleet = FleetState(self.store)
+        self.router = Router(config, self.fleet)
         self.scraper = MetricsScraper(
             self.store,
             interval=config.scrape.interval,
@@ -72,6 +75,7 @@ class Server:
         )
         self.health = Health(self.store)
         self._grpc: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
         self._health_grpc: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._mtime = _mtime(config_path)
@@ -91,7 +95,9 @@ class Server:
         self._health_grpc = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._health_grpc)
         self._health_grpc.add_insecure_port(f"{host}:{config.server.health_port}")
-        start_http_server(config.server.metrics_port, addr=host)
+        self._admin = web.AppRunner(build_app(self.router), access_log=None)
+        await self._admin.setup()
+        await web.TCPSite(self._admin, host, config.server.metrics_port).start()
         await self._grpc.start()
         await self._health_grpc.start()
         await self.health.start()
@@ -111,11 +117,19 @@ class Server:
             loop.add_signal_handler(sig, self._stopping.set)
         ticker = asyncio.create_task(self._tick())
         await self._stopping.wait()
-        log.info("epp stopping: draining streams in flight")
+        server = self.router.config.server
+        log.info(
+            "epp stopping: NOT_SERVING for %.1fs, then up to %.0fs for open streams",
+            server.drain_seconds,
+            server.shutdown_grace_seconds,
+        )
         ticker.cancel()
         await self.health.shutdown()
-        await self._grpc.stop(grace=5)
+        await asyncio.sleep(server.drain_seconds)
+        await self._grpc.stop(grace=server.shutdown_grace_seconds)
         await self._health_grpc.stop(grace=0)
+        if self._admin is not None:
+            await self._admin.cleanup()
         await self.scraper.stop()
         await self.store.stop()
 

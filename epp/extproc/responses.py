@@ -19,6 +19,8 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# Metadata key carrying every candidate's scores when explaining; Envoy echoes it to the client.
+SCORES_KEY = "x-epp-scores"
 # Envoy accepts streamed body chunks up to 64 KiB; GIE uses 62,000 to leave room for framing.
 MAX_CHUNK = 62_000
 
@@ -47,7 +49,7 @@ def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
 
 
 def _routing(
-    destination: str, remove: Iterable[str], content_length: int | None
+    destination: str, remove: Iterable[str], content_length: int | None, scores: str | None
 ) -> tuple[ext_proc_pb2.CommonResponse, Struct]:
     sets = [_header(DESTINATION_HEADER, destination)]
     if content_length is not None:
@@ -58,23 +60,28 @@ def _routing(
         clear_route_cache=True,
     )
     metadata = Struct()
-    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+    fields = metadata.fields[LB_NAMESPACE].struct_value.fields
+    fields[DESTINATION_HEADER].string_value = destination
+    if scores is not None:
+        fields[SCORES_KEY].string_value = scores
     return common, metadata
 
 
 def route_in_headers(
-    destination: str, remove: Iterable[str], content_length: int | None
+    destination: str, remove: Iterable[str], content_length: int | None, scores: str | None = None
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the request-headers message (full-duplex mode, or header-only)."""
-    common, metadata = _routing(destination, remove, content_length)
+    common, metadata = _routing(destination, remove, content_length, scores)
     return ext_proc_pb2.ProcessingResponse(
         request_headers=ext_proc_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
     )
 
 
-def route_in_body(destination: str, remove: Iterable[str]) -> ext_proc_pb2.ProcessingResponse:
+def route_in_body(
+    destination: str, remove: Iterable[str], scores: str | None = None
+) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the buffered request-body message; the body itself is not echoed."""
-    common, metadata = _routing(destination, remove, None)
+    common, metadata = _routing(destination, remove, None, scores)
     return ext_proc_pb2.ProcessingResponse(
         request_body=ext_proc_pb2.BodyResponse(response=common), dynamic_metadata=metadata
     )

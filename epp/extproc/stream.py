@@ -14,6 +14,7 @@ Anything wrong with the request becomes an immediate response with an OpenAI-sty
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -139,12 +140,15 @@ class StreamHandler:
             return (self._refuse(error),)
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(headers, CONTROL_HEADERS)
+        scores = None
+        if decision.scores is not None:
+            scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             return (
-                responses.route_in_headers(destination, remove, len(body)),
+                responses.route_in_headers(destination, remove, len(body), scores),
                 *responses.body_chunks(body),
             )
-        return (responses.route_in_body(destination, remove),)
+        return (responses.route_in_body(destination, remove, scores),)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""

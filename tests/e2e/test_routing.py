@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -183,3 +184,23 @@ def test_stopped_replica_stops_receiving_within_one_second(
         assert picks(stack)[dead] == after_one_second, "epp still picked the dead replica"
         # With one fallback and Envoy's retry, no request is lost while epp notices.
         assert failures == 0
+
+
+def test_explain_mode_returns_scores_to_the_client(tmp_path: Path) -> None:
+    stack = make_stack(tmp_path, "buffered", "memory", config_extra={"routing": {"explain": True}})
+    with stack:
+        stack.start()
+        reply = completion(stack.url, "why here?", **{"x-request-id": "explain-me"})
+        assert reply.status == 200
+        scores = json.loads(reply.headers["x-epp-scores"])
+        assert set(scores) == set(stack.replica_addresses)
+        best = max(scores, key=lambda a: scores[a]["total"])
+        assert scores[reply.served_by]["total"] == scores[best]["total"]
+        why = request(f"http://127.0.0.1:{stack.epp_ports[0][2]}", "/debug/decisions/explain-me")
+        assert why.json()["endpoints"][0] == reply.served_by
+
+
+def test_no_scores_header_without_explain(stack: Stack) -> None:
+    reply = completion(stack.url, "quiet")
+    assert reply.status == 200
+    assert "x-epp-scores" not in reply.headers

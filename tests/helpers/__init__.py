@@ -1,0 +1,1 @@
+"""Test helpers shared by unit and end-to-end tests (real processes, free ports)."""
