@@ -321,8 +321,8 @@ def _dev(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         epp_count=args.epps,
         envoy_port=args.port,
-        admin_port=9901,
-        sim_base_port=8001,
+        admin_port=args.admin_port,
+        sim_base_port=args.base_port,
     )
     print(
         f"starting {args.replicas} simulated replicas, {args.epps} epp and Envoy "
@@ -371,6 +371,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     dev.add_argument("--replicas", type=int, default=3)
     dev.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")
     dev.add_argument("--port", type=int, default=8080, help="Envoy listener port")
+    dev.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port")
+    dev.add_argument("--base-port", type=int, default=8001, help="first simulated replica's port")
     dev.add_argument("--epps", type=int, default=1, help="number of epp processes")
     dev.add_argument("--redis-url", help="share epp state through this Redis")
     dev.add_argument("--workdir", help="where configs and logs go (default: a temp dir)")
