@@ -8,6 +8,7 @@ Shape (every section optional except ``models`` and ``pools``)::
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain}
     request:  {session_header, priority_header, objective_header, objectives: {NAME: int}}
+    admission: {queue_threshold, kv_threshold, stale_seconds}
     scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
     store:    {backend: memory|redis, redis_url, key_prefix}
 
@@ -25,6 +26,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from epp.admission import SaturationDetector
+from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.request import RequestPolicy
 from epp.scheduling import (
     Filter,
@@ -105,6 +108,7 @@ class Config:
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     request: RequestPolicy = field(default_factory=RequestPolicy)
+    admission: SaturationDetector = field(default_factory=SaturationDetector)
     store: StoreConfig = field(default_factory=StoreConfig)
     # Relative capacity of endpoints (default 1.0): a replica of weight 2 takes twice the work.
     weights: Mapping[str, float] = field(default_factory=dict)
@@ -142,15 +146,17 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
     root = _Node(data, "", source)
     root.only("models", "pools", "server", "scrape", "routing", "request", "scheduling", "store")
     pools = _pools(root.child("pools", required=True))
+    scrape = _scrape(root.child("scrape"))
     models = _models(root.child("models", required=True), pools.endpoints)
     return Config(
         models=models,
         pools=pools.endpoints,
         profile=_scheduling(root.child("scheduling")),
         server=_server(root.child("server")),
-        scrape=_scrape(root.child("scrape")),
+        scrape=scrape,
         routing=_routing(root.child("routing")),
         request=_request(root.child("request")),
+        admission=_admission(root.child("admission"), scrape.interval),
         store=_store(root.child("store")),
         weights=pools.weights,
         kv_events=pools.kv_events,
@@ -362,6 +368,20 @@ def _request(node: _Node) -> RequestPolicy:
         priority_header=node.get("priority_header", str, d.priority_header).lower(),
         objective_header=node.get("objective_header", str, d.objective_header).lower(),
         objectives=objectives,
+    )
+
+
+def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:
+    node.only("queue_threshold", "kv_threshold", "stale_seconds")
+    # Metrics are stale after a few missed scrapes, whatever the interval.
+    d = SaturationDetector(stale_seconds=max(DEFAULT_STALE_SECONDS, 4 * scrape_interval))
+    kv = node.positive("kv_threshold", float, d.kv_threshold)
+    if kv > 1:
+        raise node.at("kv_threshold").error("must be a fraction in (0, 1]")
+    return SaturationDetector(
+        queue_threshold=node.positive("queue_threshold", int, d.queue_threshold, 1),
+        kv_threshold=kv,
+        stale_seconds=node.positive("stale_seconds", float, d.stale_seconds),
     )
 
 

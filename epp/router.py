@@ -80,11 +80,14 @@ class Router:
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
+        cycle = Cycle(snapshot, self.fleet, config.weights)
+        if request.priority < 0 and config.admission.saturated(candidates, cycle.now):
+            raise errors.overloaded(request.model)
         explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
         decision = config.profile.run(
             request,
             candidates,
-            Cycle(snapshot, self.fleet, config.weights),
+            cycle,
             1 + config.routing.fallbacks,
             explain,
         )

@@ -1,0 +1,73 @@
+"""Saturation detection and shedding of sheddable requests with 429."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from epp.admission import SaturationDetector
+from epp.config import parse_config
+from epp.extproc.stream import StreamHandler
+from epp.router import Router
+from epp.state import EndpointMetrics, EndpointState
+from epp.state.fleet import FleetState
+from epp.state.memory import MemoryStore
+from tests.unit.test_stream import body_msg, headers_msg
+
+NOW = 1000.0
+
+
+def ep(waiting: int = 0, kv: float = 0.0, age: float = 0.0, ready: bool = True) -> EndpointState:
+    return EndpointState("a", "p", ready, EndpointMetrics(waiting=waiting, kv_usage=kv), NOW - age)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "full"),
+    [
+        (ep(), False),
+        (ep(waiting=5), True),
+        (ep(kv=0.8), True),
+        (ep(age=0.5), True),
+        (ep(ready=False), True),
+        (ep(waiting=4, kv=0.79, age=0.1), False),
+    ],
+)
+def test_endpoint_full(endpoint: EndpointState, full: bool) -> None:
+    assert SaturationDetector().endpoint_full(endpoint, NOW) is full
+
+
+def test_pool_saturated_only_when_every_candidate_is_full() -> None:
+    detector = SaturationDetector()
+    assert not detector.saturated([ep(waiting=9), ep()], NOW)
+    assert detector.saturated([ep(waiting=9), ep(kv=0.95)], NOW)
+
+
+def test_stale_threshold_follows_scrape_interval() -> None:
+    base = {"models": {"m": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127.0.0.1:1"]}}}
+    assert parse_config(base).admission.stale_seconds == 0.2
+    slow = parse_config({**base, "scrape": {"interval": 1.0}})
+    assert slow.admission.stale_seconds == 4.0
+
+
+async def test_sheddable_request_gets_429_when_saturated_others_are_routed() -> None:
+    config = parse_config(
+        {"models": {"tiny": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127.0.0.1:1"]}}}
+    )
+    store = MemoryStore()
+    busy = EndpointMetrics(waiting=20)
+    await store.put_endpoint(EndpointState("127.0.0.1:1", "p", True, busy, time.time()))
+    router = Router(config, FleetState(store))
+    body = body_msg(json.dumps({"model": "tiny", "prompt": "x"}).encode())
+
+    shed = StreamHandler(router)
+    shed.handle(headers_msg(extra={"x-priority": "-1"}))
+    (answer,) = shed.handle(body)
+    assert answer.immediate_response.status.code == 429
+    assert json.loads(answer.immediate_response.body)["error"]["type"] == "rate_limit_error"
+
+    normal = StreamHandler(router)
+    normal.handle(headers_msg())
+    (answer,) = normal.handle(body)
+    assert answer.WhichOneof("response") == "request_body"
