@@ -204,3 +204,36 @@ def test_no_scores_header_without_explain(stack: Stack) -> None:
     reply = completion(stack.url, "quiet")
     assert reply.status == 200
     assert "x-epp-scores" not in reply.headers
+
+
+def test_sheddable_requests_get_429_when_every_replica_is_saturated(tmp_path: Path) -> None:
+    stack = make_stack(
+        tmp_path, "buffered", "memory", config_extra={"admission": {"queue_threshold": 1}}
+    )
+    with stack:
+        stack.start()
+        for address in stack.replica_addresses:
+            set_fault(address, hang=True)
+        queued = [
+            threading.Thread(target=completion, args=(f"http://{a}", "fill"), daemon=True)
+            for a in stack.replica_addresses
+        ]
+        for t in queued:
+            t.start()
+        try:
+            time.sleep(0.5)  # let epp scrape the queues
+            shed = completion(stack.url, "low priority", **{"x-priority": "-1"})
+            assert shed.status == 429
+            assert shed.json()["error"]["code"] == "overloaded"
+            assert shed.served_by is None
+            kept: list[int] = []
+            normal = threading.Thread(
+                target=lambda: kept.append(completion(stack.url, "normal priority").status)
+            )
+            normal.start()
+            time.sleep(0.3)
+        finally:
+            for address in stack.replica_addresses:
+                set_fault(address, hang=False)
+        normal.join(30)
+        assert kept == [200], "priority >= 0 must queue, never be shed"
