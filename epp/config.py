@@ -144,7 +144,17 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: Any, source: str = "<config>") -> Config:
     root = _Node(data, "", source)
-    root.only("models", "pools", "server", "scrape", "routing", "request", "scheduling", "store")
+    root.only(
+        "models",
+        "pools",
+        "server",
+        "scrape",
+        "routing",
+        "request",
+        "admission",
+        "scheduling",
+        "store",
+    )
     pools = _pools(root.child("pools", required=True))
     scrape = _scrape(root.child("scrape"))
     models = _models(root.child("models", required=True), pools.endpoints)

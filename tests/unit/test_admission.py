@@ -71,3 +71,11 @@ async def test_sheddable_request_gets_429_when_saturated_others_are_routed() -> 
     normal.handle(headers_msg())
     (answer,) = normal.handle(body)
     assert answer.WhichOneof("response") == "request_body"
+
+
+def test_admission_section_is_read_and_validated() -> None:
+    base = {"models": {"m": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127.0.0.1:1"]}}}
+    config = parse_config({**base, "admission": {"queue_threshold": 2, "kv_threshold": 0.9}})
+    assert (config.admission.queue_threshold, config.admission.kv_threshold) == (2, 0.9)
+    with pytest.raises(ValueError, match=r"admission\.kv_threshold"):
+        parse_config({**base, "admission": {"kv_threshold": 1.5}})
