@@ -20,7 +20,7 @@ run: $(STAMP)  ## Envoy on :8080, epp, three simulated vLLM replicas; Ctrl-C sto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check epp tests tools benchmarks
+	$(VENV)/bin/ruff format --check .
 
 test: lint $(STAMP)  ## unit + end-to-end (real Envoy, real Redis, simulated vLLM)
 	$(PY) -m pytest -q
