@@ -231,6 +231,8 @@ class Stack:
             ),
             ("envoy", lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/ready")),
             ("first routed request", self._models_ok),
+            # Until then Envoy may send every stream to one epp (or all, in panic mode).
+            ("Envoy health checks passing on every epp", self._epps_healthy),
         ]
         deadline = time.monotonic() + timeout
         for label, check in steps:
@@ -247,6 +249,20 @@ class Stack:
         return http_ok(f"{self.url}/v1/models") and all(
             self.endpoint_ready(i) for i in range(self.epp_count)
         )
+
+    def _epps_healthy(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.admin_port}/clusters"
+            with urllib.request.urlopen(url, timeout=0.5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return False
+        healthy = [
+            line
+            for line in text.splitlines()
+            if line.startswith("epp::") and line.endswith("::health_flags::healthy")
+        ]
+        return len(healthy) == self.epp_count
 
     def endpoint_ready(self, index: int = 0) -> bool:
         """True once epp ``index`` reports every simulated replica ready."""
@@ -324,6 +340,9 @@ def _dev(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         sim_base_port=args.base_port,
     )
+    # The documented ports, so the README's commands work: epp i on 9002+10i (ext_proc),
+    # 9003+10i (health) and 9090+i (metrics and /debug).
+    stack.epp_ports = [(9002 + 10 * i, 9003 + 10 * i, 9090 + i) for i in range(args.epps)]
     print(
         f"starting {args.replicas} simulated replicas, {args.epps} epp and Envoy "
         f"({args.mode}); logs in {workdir}",
@@ -341,7 +360,9 @@ ready. Envoy listens on {stack.url}; try:
   curl -s {stack.url}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "tiny", "prompt": "Hello, world", "max_tokens": 8}}' -i
 
-The x-served-by response header names the replica epp picked. Ctrl-C stops everything.
+The x-served-by response header names the replica epp picked. epp's metrics and debug views:
+  curl -s localhost:9090/debug/endpoints
+Ctrl-C stops everything.
 """,
         flush=True,
     )
