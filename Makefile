@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: bootstrap run test lint unit e2e contract protos bench-overhead clean
+.PHONY: bootstrap run run-ha test lint unit e2e contract protos bench-overhead bench-multi-epp clean
 
 bootstrap: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)  ## Envoy on :8080, epp, three simulated vLLM replicas; Ctrl-C stops all
 	$(PY) -m epp dev
+
+REDIS_URL ?= redis://127.0.0.1:6379/0
+run-ha: $(STAMP)  ## as run, with two epp processes sharing state through Redis at $(REDIS_URL)
+	$(PY) -m epp dev --epps 2 --redis-url $(REDIS_URL)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -40,6 +44,9 @@ protos: $(STAMP)  ## regenerate epp/_proto from protos/
 
 bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes docs/overhead.md
 	$(PY) benchmarks/overhead.py
+
+bench-multi-epp: $(STAMP)  ## decisions/s with 1, 2, 4 epp processes; pick propagation delay
+	$(PY) -m benchmarks.multi_epp
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

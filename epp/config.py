@@ -39,6 +39,7 @@ from epp.scheduling import (
     plugin_types,
 )
 from epp.scheduling.framework import Plugin
+from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
 
 
 class ConfigError(ValueError):
@@ -402,8 +403,8 @@ def _store(node: _Node) -> StoreConfig:
     if backend not in ("memory", "redis"):
         raise node.at("backend").error(f"must be 'memory' or 'redis', got {backend!r}")
     url = node.get("redis_url", str, d.redis_url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise node.at("redis_url").error("must start with redis://, rediss:// or unix://")
+    if not url.startswith(REDIS_SCHEMES):  # standalone, Sentinel or Cluster: see epp.state.shared
+        raise node.at("redis_url").error(f"must start with one of {', '.join(REDIS_SCHEMES)}")
     return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix))
 
 

@@ -27,7 +27,8 @@ The pieces, in request order:
 * **cluster ``epp``** holds one or more epp processes (active-active) over HTTP/2. A stream
   that cannot reach an epp is retried on another (``grpc_service.retry_policy``); gRPC health
   checks on each epp's health port and outlier detection take a dead or draining epp out of
-  rotation. Measured: hard-killing one of two epps under load failed no request.
+  rotation. Measured: hard-killing one of two epps under load failed only the requests whose
+  streams were open on it (tests/e2e/test_active_active.py).
 """
 
 from __future__ import annotations
@@ -151,12 +152,15 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
             "envoy_grpc": {"cluster_name": EPP_CLUSTER},
             # A stream that cannot reach an epp (dead process, refused, UNAVAILABLE before epp's
             # first answer) is replayed on another epp instead of failing the request with a
-            # 500. Measured: killing one of two epps under load failed 0 requests with this,
-            # 2 without (the outlier-detection threshold).
+            # 500. Retries here can land on the dead epp again (measured: previous_hosts does
+            # not keep them off it), so they must outlast the health checks that remove it:
+            # 4 retries backing off 25 -> 250 ms span ~0.4 s. Measured (SIGKILL of one of two
+            # epps under 8 clients, 6 runs): 0 requests started after the kill failed; with
+            # 2 retries over 10-50 ms, up to 200 did.
             "retry_policy": {
                 "retry_on": "connect-failure,refused-stream,unavailable",
-                "num_retries": 2,
-                "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+                "num_retries": 4,
+                "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
                 "retry_host_predicate": [
                     _typed(
                         "envoy.retry_host_predicates.previous_hosts",
@@ -415,18 +419,22 @@ def _epp_cluster(
         # 20-30 s into a quiet generation (measured with 5 s pings). Health checks and outlier
         # detection find a dead epp instead.
         "typed_extension_protocol_options": _http_options(http2_protocol_options={}),
-        # ext_proc streams last as long as their request: balance on open streams.
-        "lb_policy": "LEAST_REQUEST",
+        # Not LEAST_REQUEST: a dead epp refuses connections at once, so it always has the
+        # fewest open streams and attracted nearly every new stream and retry until it was
+        # removed (measured: 70-220 failed requests per SIGKILL). Round robin over streams
+        # that live as long as their request balances well enough.
+        "lb_policy": "ROUND_ROBIN",
         "circuit_breakers": _circuit_breakers(),
         "health_checks": [
             {
                 # epp answers health checks from the same event loop that routes; give a busy
                 # process a full second, and require two misses before calling it unhealthy.
+                # A dead epp refuses at once, so a short interval removes it in ~0.5 s.
                 "timeout": "1s",
-                "interval": "1s",
+                "interval": "0.25s",
                 # The default (60 s) applies while the cluster has no traffic yet.
-                "no_traffic_interval": "1s",
-                "unhealthy_interval": "1s",
+                "no_traffic_interval": "0.25s",
+                "unhealthy_interval": "0.25s",
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": EXTPROC_SERVICE},

@@ -49,6 +49,32 @@ STORE_UP = Gauge(
     "epp_state_store_up",
     "1 while the shared state store (Redis) is reachable; always 1 for the in-process store.",
 )
+SHARED_MEMBERS = Gauge(
+    "epp_shared_members",
+    "epp processes sharing state through Redis, this one included, as of the last sync.",
+)
+SHARED_LEASES = Gauge(
+    "epp_shared_leases",
+    "Endpoints this process scrapes for its group (all of them while Redis is unreachable).",
+)
+SHARED_INFLIGHT = Gauge(
+    "epp_endpoint_inflight_requests",
+    "Requests in flight per endpoint, routed by this process (origin=local) or by the other "
+    "processes of its group (origin=remote), as of the last sync.",
+    ["endpoint", "origin"],
+)
+SHARED_PICKS = Counter(
+    "epp_shared_picks_total",
+    "Prefix-index insertions and session bindings shipped to other epp processes (sent), "
+    "applied from them (applied), unreadable (rejected) or dropped while Redis was "
+    "unreachable for long (dropped).",
+    ["direction"],
+)
+SHARED_PICK_DELAY = Histogram(
+    "epp_shared_pick_delay_seconds",
+    "From shipping in another epp process to application here (wall clocks).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
 CONFIG_RELOADS = Counter(
     "epp_config_reloads_total",
     "Configuration reload attempts by result (ok, rejected).",
@@ -63,3 +89,30 @@ def setup_logging(level: str = "info") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+# -- precise prefix cache (vLLM KV events) ---------------------------------------------------
+
+KV_EVENT_BATCHES = Counter(
+    "epp_kv_event_batches_total",
+    "KV-event messages received from each endpoint's vLLM publisher.",
+    ["endpoint"],
+)
+KV_INDEX_RESETS = Counter(
+    "epp_kv_index_resets_total",
+    "Times an endpoint's precise prefix entries were dropped, by reason: gap (lost messages), "
+    "restart (sequence went back), malformed (undecodable message), cleared (AllBlocksCleared), "
+    "overflow (more blocks than any cache holds: removes were lost).",
+    ["endpoint", "reason"],
+)
+KV_UNKEYED_BLOCKS = Counter(
+    "epp_kv_unkeyed_blocks_total",
+    "Stored blocks skipped because their parent block was unknown (stored before epp "
+    "subscribed, or lost in a gap).",
+    ["endpoint"],
+)
+KV_INDEX_BLOCKS = Gauge(
+    "epp_kv_index_blocks",
+    "Distinct engine KV blocks in the precise prefix index, per endpoint.",
+    ["endpoint"],
+)

@@ -25,11 +25,16 @@ from epp.config import Config, ConfigError, load_config
 from epp.extproc.health import Health
 from epp.extproc.servicer import ExtProcServicer
 from epp.observability import CONFIG_RELOADS
+from epp.prefix.invalidation import CacheInvalidator
 from epp.router import Router
+from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
 from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
+from epp.state.shared.connect import hash_tag
+from epp.state.shared.sessions import SharedSessionTable
+from epp.state.shared.sync import SharedState
 
 log = logging.getLogger("epp.server")
 
@@ -53,10 +58,26 @@ def make_store(config: Config) -> StateStore:
 
         return RedisStore(
             config.store.redis_url,
-            key_prefix=config.store.key_prefix,
+            # Hash-tagged like every shared key: all in one Redis Cluster slot.
+            key_prefix=hash_tag(config.store.key_prefix),
             refresh_interval=config.scrape.interval,
         )
     return MemoryStore()
+
+
+def make_shared(config: Config, store: StateStore) -> tuple[FleetState, SharedState | None]:
+    """The routing state, and with Redis what makes this process one of an active-active group."""
+    if config.store.backend != "redis":
+        return FleetState(store), None
+    # Sessions are replicated through the table subclass that records local bindings.
+    fleet = FleetState(store, sessions=SharedSessionTable())
+    shared = SharedState(
+        config.store.redis_url,
+        fleet,
+        key_prefix=config.store.key_prefix,
+        interval=config.scrape.interval,
+    )
+    return fleet, shared
 
 
 class Server:
@@ -65,15 +86,18 @@ class Server:
     def __init__(self, config_path: Path, config: Config) -> None:
         self.config_path = config_path
         self.store = make_store(config)
-        self.fleet = FleetState(self.store)
+        self.fleet, self.shared = make_shared(config, self.store)
         self.router = Router(config, self.fleet)
         self.scraper = MetricsScraper(
             self.store,
             interval=config.scrape.interval,
             timeout=config.scrape.timeout,
             failure_threshold=config.scrape.failure_threshold,
+            owns=self.shared.owns if self.shared is not None else None,
         )
         self.health = Health(self.store)
+        self._invalidator = CacheInvalidator(self.fleet.prefix)
+        self.kv_events = KvEventSubscriber(self.fleet.precise)
         self._grpc: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._health_grpc: grpc.aio.Server | None = None
@@ -83,8 +107,13 @@ class Server:
     async def run(self) -> None:
         config = self.router.config
         await self.store.start()
+        if self.shared is not None:
+            self.shared.set_endpoints(config.endpoint_pools())
+            await self.shared.start()
         self.scraper.set_endpoints(config.endpoint_pools())
         await self.scraper.start()
+        self._apply_prefix_sources(config)
+        await self.kv_events.start()
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
@@ -131,6 +160,9 @@ class Server:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.scraper.stop()
+        await self.kv_events.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.store.stop()
 
     async def _tick(self) -> None:
@@ -139,6 +171,7 @@ class Server:
         while True:
             await asyncio.sleep(0.1)
             await self.health.refresh()
+            self._invalidator.observe(self.store.snapshot(), self.router.config.endpoint_pools())
             elapsed += 0.1
             if elapsed >= RELOAD_POLL_SECONDS:
                 elapsed = 0.0
@@ -146,6 +179,11 @@ class Server:
                 if mtime != self._mtime:
                     self._mtime = mtime
                     await self.reload()
+
+    def _apply_prefix_sources(self, config: Config) -> None:
+        """Point the precise prefix scorer's inputs (tokenizers, KV events) at ``config``."""
+        self.fleet.tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
+        self.kv_events.set_endpoints(config.kv_events)
 
     async def reload(self) -> bool:
         """Load the config file again; apply it if valid, else keep the current one."""
@@ -160,7 +198,10 @@ class Server:
             log.warning("server and store settings change only on restart; applying the rest")
             new = replace(new, server=old.server, store=old.store)
         self.router.config = new
+        if self.shared is not None:
+            self.shared.set_endpoints(new.endpoint_pools())
         self.scraper.set_endpoints(new.endpoint_pools())
+        self._apply_prefix_sources(new)
         CONFIG_RELOADS.labels("ok").inc()
         log.info(
             "configuration reloaded: %d models, %d endpoints",

@@ -142,18 +142,26 @@ class Engine:
                 # Only when the last running request preempted itself; it is re-admitted
                 # next step. Pause one step's overhead rather than spin.
                 await self._sleep_step(self.config.profile.step_overhead_s * self.config.time_scale)
+                self._end_step()
                 continue
             dt = self.step_time(batch)
             dt += self.loras.activate(r.lora for r in batch.num_tokens if r.lora)
             await self._sleep_step(dt * self.config.time_scale)
             self._complete(batch)
+            self._end_step()
             if self.observer:
                 self.observer.on_step(self, batch)
+
+    def _end_step(self) -> None:
+        """Hand the step's cache events over as one batch (vLLM publishes them after the
+        step's model run, together with its outputs)."""
+        if self.listener:
+            self.listener.end_step()
 
     def _complete(self, batch: Batch) -> None:
         now = self.clock()
         for req, n in batch.num_tokens.items():
-            if req.is_finished:  # aborted during the step
+            if req.status is not Status.RUNNING:  # aborted or preempted during the step
                 continue
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:

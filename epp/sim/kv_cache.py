@@ -1,12 +1,16 @@
 """Paged KV cache with prefix caching, modelled on vLLM v1's block pool.
 
-The pieces that decide routing quality are kept faithful to vLLM:
+The pieces that decide routing quality are kept faithful to vLLM (checked against a real vLLM
+0.32 by tests/contract/test_sim_vs_vllm.py):
 - a fixed pool of blocks of `block_size` tokens;
-- only full blocks are cached, keyed by a chained hash (parent hash + the block's token ids
-  + extra keys such as the LoRA adapter), so one hash names a whole prefix;
+- only full blocks are cached, keyed by vLLM's own chained block hash (sha256 over the parent
+  hash, the block's token ids and extra keys such as the LoRA adapter), so one hash names a
+  whole prefix and a prompt gets the same hashes here as on a real vLLM server;
 - blocks in use carry reference counts (requests sharing a prefix share blocks);
-- freed blocks go to the tail of a free queue and keep their hash until reused; new blocks are
-  taken from the head, so the least recently freed cached block is evicted first;
+- freed blocks with a hash go to the tail of a free queue and keep their hash until reused,
+  freed blocks without one (partial blocks) go to its head; new blocks are taken from the
+  head, so uncached blocks are reused first and then the least recently freed cached block is
+  evicted;
 - usage counts only blocks with a reference: cached-but-free blocks are free;
 - block 0 is vLLM's reserved "null block": never allocated, not counted in usage.
 Events (stored/removed/cleared) are reported to a listener so the ZMQ publisher can mirror
@@ -15,41 +19,75 @@ vLLM's KV events.
 
 from __future__ import annotations
 
-import struct
+import hashlib
+import os
+import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-import xxhash
-
-# Seed of the chain (the "parent" of a first block). Fixed, so hashes agree across processes
-# and restarts, like vLLM with a fixed PYTHONHASHSEED / sha256 hashing.
-ROOT_HASH = xxhash.xxh3_64_intdigest(b"epp-sim-kv-root")
+# vLLM's default seed for the chain's root (DEFAULT_NONE_HASH_SEED); PYTHONHASHSEED replaces it
+# there, so it does here too: a router that recomputes hashes needs the same root as the fleet.
+NONE_HASH_SEED = "vllm-none-hash"
 
 
-def block_hash(parent: int | None, token_ids: Sequence[int], extra_key: str | None = None) -> int:
-    """64-bit chained hash of one full block (deterministic, unlike Python's salted hash())."""
-    h = xxhash.xxh3_64()
-    h.update(struct.pack("<Q", ROOT_HASH if parent is None else parent))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if extra_key is not None:
-        h.update(extra_key.encode())
-    return h.intdigest()
+def sha256_pickle(obj: Any) -> bytes:
+    """vLLM's `sha256` hash function: SHA-256 of the object pickled with the highest protocol."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+# The "parent" of a first block (vLLM's NONE_HASH). Fixed, so hashes agree across processes and
+# restarts, as with vLLM's default prefix_caching_hash_algo=sha256.
+NONE_HASH = sha256_pickle(os.environ.get("PYTHONHASHSEED", NONE_HASH_SEED))
+
+# Extra keys mixed into every block hash of a request: vLLM uses (("lora", name, path),) for a
+# LoRA request (so re-pointing a name at another adapter cannot reuse old KV), None otherwise.
+ExtraKeys = tuple[Any, ...] | None
+
+
+def lora_extra_keys(name: str | None, path: str | None) -> ExtraKeys:
+    """The extra keys vLLM hashes into a LoRA request's blocks (its _gen_lora_extra_hash_keys)."""
+    return None if name is None else (("lora", name, path),)
+
+
+def block_digest(parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys) -> bytes:
+    """32-byte hash of one full block, chained on its parent's digest (vLLM's hash_block_tokens)."""
+    return sha256_pickle((parent or NONE_HASH, tuple(token_ids), extra_keys))
+
+
+def external_hash(digest: bytes) -> int:
+    """What KV events carry for a digest: its last 8 bytes as an unsigned int (vLLM's
+    maybe_convert_block_hash with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, the default)."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def hash_block_digests(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: ExtraKeys = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Chained digests of every full block of `token_ids` (a trailing partial block is skipped).
+
+    block_digest inlined: this runs for every prompt block (a few us each), on the event loop.
+    """
+    sha256, dumps, protocol = hashlib.sha256, pickle.dumps, pickle.HIGHEST_PROTOCOL
+    tokens = tuple(token_ids)
+    digest = parent or NONE_HASH
+    digests = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        digest = sha256(dumps((digest, tokens[start : start + block_size], extra_keys), protocol))
+        digest = digest.digest()
+        digests.append(digest)
+    return digests
 
 
 def hash_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    extra_key: str | None = None,
-    parent: int | None = None,
+    token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys = None
 ) -> list[int]:
-    """Chained hashes of every full block of `token_ids` (a trailing partial block is skipped)."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size], extra_key)
-        hashes.append(parent)
-    return hashes
+    """The block hashes a vLLM server publishes for a prompt (only its full blocks)."""
+    return [external_hash(d) for d in hash_block_digests(token_ids, block_size, extra_keys)]
 
 
 class CacheEventListener(Protocol):
@@ -62,6 +100,10 @@ class CacheEventListener(Protocol):
     def block_removed(self, hashes: list[int]) -> None: ...
 
     def all_cleared(self) -> None: ...
+
+    def end_step(self) -> None:
+        """An engine step is over: the events raised so far form one batch (vLLM publishes a
+        step's events together, after the step's model run)."""
 
 
 @dataclass(eq=False)
@@ -146,15 +188,26 @@ class BlockPool:
         return out
 
     def release(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the free queue's tail.
+        """Drop one reference from each block and queue the blocks that reach zero.
 
-        Callers pass a request's blocks in reverse order (as vLLM does) so that the tail of a
-        prompt, the part least likely to be shared, is evicted before its head.
+        As vLLM's free_blocks: cached blocks join the queue's tail (FIFO, so the least recently
+        freed is evicted first) and blocks without a hash, which can never be hit, go to its
+        head (LIFO), so they are reused before any cached block is evicted. Callers pass a
+        request's blocks in reverse order (as vLLM does) so that the tail of a prompt, the part
+        least likely to be shared, is evicted before its head.
         """
+        uncached = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free[block.block_id] = block
+                if block.hash is None:
+                    uncached.append(block)
+                else:
+                    self.free[block.block_id] = block
+        # vLLM's prepend_n keeps the given order at the head of the queue.
+        for block in reversed(uncached):
+            self.free[block.block_id] = block
+            self.free.move_to_end(block.block_id, last=False)
 
     def cache(
         self,
@@ -171,8 +224,19 @@ class BlockPool:
         if blocks and self.listener:
             self.listener.block_stored(list(hashes), parent, list(token_ids), lora)
 
-    def reset(self) -> bool:
-        """Forget every cached hash (vLLM's reset_prefix_cache); in-use blocks stay allocated."""
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by requests (the null block excluded)."""
+        return self.num_blocks - 1 - self.num_free
+
+    def reset(self, force: bool = False) -> bool:
+        """Forget every cached hash (vLLM's reset_prefix_cache).
+
+        vLLM refuses (returns False, no event) while any block is in use; `force` (the
+        simulator's clear_cache fault) drops the hashes anyway and in-use blocks stay allocated.
+        """
+        if self.num_used and not force:
+            return False
         for copies in self.cached.values():
             for block in copies.values():
                 block.hash = None

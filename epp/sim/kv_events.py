@@ -1,8 +1,10 @@
 """vLLM KV cache events over ZMQ PUB (vllm/distributed/kv_events.py, ZmqEventPublisher).
 
 Wire layout: 3 frames [topic, seq as uint64 big-endian, msgpack payload]; the payload is
-[ts, [event, ...], data_parallel_rank]; events are maps tagged by "type". Events raised during
-one engine step are sent as one batch, like vLLM's per-step batch; seq counts batches from 0.
+[ts, [event, ...], data_parallel_rank]; events are maps tagged by "type". As in vLLM, the events
+raised during one engine step go out as one batch when the step's compute is over (vLLM
+publishes them from update_from_output), and events raised between steps (AllBlocksCleared
+after /reset_prefix_cache) wait for the next step; seq counts batches from 0.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class KVEventPublisher:
         self.block_size = block_size
         self.lora_ids = lora_ids
         self.pending: list[dict[str, Any]] = []
+        self.outbox: list[list[bytes]] = []  # encoded batches not sent yet
         self.seq = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = asyncio.Event()
@@ -81,9 +84,14 @@ class KVEventPublisher:
     def all_cleared(self) -> None:
         self._add({"type": "AllBlocksCleared"})
 
+    def end_step(self) -> None:
+        """Close the step's batch (if it has events) and wake the sender."""
+        if self.pending:
+            self.outbox.append(self.encode_batch())
+            self._ready.set()
+
     def _add(self, event: dict[str, Any]) -> None:
         self.pending.append(event)
-        self._ready.set()
 
     def encode_batch(self) -> list[bytes]:
         """Take the pending events as one 3-frame message."""
@@ -94,11 +102,11 @@ class KVEventPublisher:
         return frames
 
     async def run(self) -> None:
-        """Send pending events. Events raised in one step arrive together; yielding once to
-        the loop before sending lets a whole step's events join one batch."""
+        """Send closed batches in order (the engine closes one per step)."""
         while True:
             await self._ready.wait()
-            await asyncio.sleep(0)
             self._ready.clear()
-            if self.pending and self._sock is not None:
-                await self._sock.send_multipart(self.encode_batch())
+            batches, self.outbox = self.outbox, []
+            for frames in batches:
+                if self._sock is not None:
+                    await self._sock.send_multipart(frames)

@@ -29,19 +29,23 @@ class KVCacheManager:
         """Longest cached prefix of a request about to start (or restart after preemption).
 
         As in vLLM v1 the last prompt token is always recomputed (its logits are needed), so a
-        hit covers at most num_tokens - 1 tokens. Queries count every token of the request,
-        hits the tokens found; lookups of preempted requests are not counted (vLLM reports
-        them separately).
+        hit covers at most num_tokens - 1 tokens, in whole blocks. Nothing is counted here:
+        see record_prefix_cache_stats.
         """
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         blocks = self.pool.lookup(req.block_hashes(self.block_size)[:max_hit_blocks])
-        num_hit = len(blocks) * self.block_size
-        if req.num_preemptions == 0:
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_stats(self, req: SimRequest, num_hit: int) -> None:
+        """Count a lookup once the request is admitted (vLLM records at admission, so a request
+        that waits for blocks over several steps is counted once). Queries count every token of
+        the request, hits the tokens found; lookups of preempted requests are not counted
+        (vLLM reports those separately)."""
+        if self.enable_prefix_caching and req.num_preemptions == 0:
             self.stats.queries += req.num_tokens
             self.stats.hits += num_hit
-        return blocks, num_hit
 
     def num_blocks_needed(self, req: SimRequest, num_new_tokens: int, num_hit_blocks: int) -> int:
         """Blocks to take from the pool to hold the request's computed + new tokens."""

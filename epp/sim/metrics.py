@@ -52,7 +52,8 @@ class EngineMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.max_loras = max_loras
-        labels = {"model_name": model_name, "engine": "0"}
+        # Label names in vLLM's exposition order (its multiprocess registry sorts them).
+        labels = {"engine": "0", "model_name": model_name}
         names = list(labels)
         r = self.registry
 
@@ -91,12 +92,12 @@ class EngineMetrics:
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*names, "finished_reason"],
+            ["engine", "finished_reason", "model_name"],
             registry=r,
         )
         # vLLM creates every finish reason's series up front; the simulator only ends by
         # length (it never samples EOS or a stop string).
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error", "repetition"):
             success.labels(**labels, finished_reason=reason)
         self.success = success.labels(**labels, finished_reason="length")
         self.iteration_tokens = histogram(
@@ -149,16 +150,18 @@ class EngineMetrics:
             "Number of generation tokens processed.",
             token_buckets(max_model_len),
         )
+        info_labels = {**cache_info, "engine": "0"}
         Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            [*cache_info, "engine"],
+            sorted(info_labels),
             registry=r,
-        ).labels(**cache_info, engine="0").set(1)
+        ).labels(**info_labels).set(1)
+        # No engine/model_name labels, as in vLLM.
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=r,
         )
         self._seen_prefix = (0, 0)
@@ -166,6 +169,18 @@ class EngineMetrics:
 
     def on_step(self, engine: Engine, batch: Batch | None) -> None:
         self.refresh(engine)
+        if self.max_loras:
+            # vLLM records a label set per engine step, stamped with the time; old ones linger
+            # (read the series with the largest value), and the series is absent before the
+            # first step. Like vLLM 0.32, an adapter with any request in flight is listed as
+            # both running and waiting: vLLM joins the keys of two per-adapter counters that
+            # always have the same keys.
+            adapters = ",".join(engine.scheduler.lora_in_flight)
+            self.lora_info.labels(
+                max_lora=str(self.max_loras),
+                running_lora_adapters=adapters,
+                waiting_lora_adapters=adapters,
+            ).set(time.time())
         if batch:
             self.iteration_tokens.observe(sum(batch.num_tokens.values()))
 
@@ -182,13 +197,6 @@ class EngineMetrics:
         self._seen_prefix = (stats.queries, stats.hits)
         self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = sched.num_preemptions
-        if self.max_loras:
-            # vLLM sets a new label set each step with the current time; old ones linger.
-            self.lora_info.labels(
-                max_lora=str(self.max_loras),
-                waiting_lora_adapters=",".join(sorted({r.lora for r in sched.waiting if r.lora})),
-                running_lora_adapters=",".join(sorted(sched.running_loras())),
-            ).set(time.time())
 
     def on_first_token(self, req: SimRequest) -> None:
         assert req.first_token_time is not None

@@ -59,7 +59,7 @@ class Replica:
             "num_gpu_blocks": str(ecfg.num_gpu_blocks),
             "num_cpu_blocks": "None",
             "kv_cache_size_tokens": str(ecfg.num_gpu_blocks * ecfg.block_size),
-            "prefix_caching_hash_algo": "xxhash64",
+            "prefix_caching_hash_algo": "sha256",
         }
         self.metrics = EngineMetrics(config.model, cache_info, ecfg.max_loras, ecfg.max_model_len)
         self.events = (

@@ -6,7 +6,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from epp.sim.kv_cache import hash_blocks
+from epp.sim.kv_cache import external_hash, hash_block_digests, lora_extra_keys
 
 
 class Status(enum.Enum):
@@ -30,6 +30,8 @@ class SimRequest:
     max_tokens: int
     arrival_time: float
     lora: str | None = None
+    # The adapter's path as given to --lora-modules: vLLM hashes it into the blocks.
+    lora_path: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -44,6 +46,7 @@ class SimRequest:
     # Lists of new token ids per step; None marks the end (finished or aborted).
     outputs: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     _block_hashes: list[int] = field(default_factory=list)
+    _last_digest: bytes | None = None  # full digest of the last hashed block: the chain's parent
     # prompt + output in one list, kept in step (not rebuilt per step: prompts can be long).
     _all_token_ids: list[int] = field(init=False)
 
@@ -74,14 +77,18 @@ class SimRequest:
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of all full blocks so far, extended incrementally as tokens arrive.
 
-        The LoRA name is part of the hash (vLLM's extra keys): an adapter's KV differs from the
-        base model's for the same tokens.
+        vLLM's hashes (see kv_cache.py): the LoRA adapter is part of the hash (its extra keys),
+        as an adapter's KV differs from the base model's for the same tokens.
         """
         done = len(self._block_hashes)
         tokens = self.all_token_ids
         if (done + 1) * block_size <= len(tokens):
-            parent = self._block_hashes[-1] if done else None
-            self._block_hashes += hash_blocks(
-                tokens[done * block_size :], block_size, self.lora, parent
+            digests = hash_block_digests(
+                tokens[done * block_size :],
+                block_size,
+                lora_extra_keys(self.lora, self.lora_path),
+                self._last_digest,
             )
+            self._last_digest = digests[-1]
+            self._block_hashes += [external_hash(d) for d in digests]
         return self._block_hashes

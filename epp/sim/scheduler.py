@@ -43,9 +43,14 @@ class Scheduler:
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: list[SimRequest] = field(default_factory=list)
     num_preemptions: int = 0
+    # Requests in flight (waiting or running) per adapter, in the order the adapters became
+    # busy: what vLLM's LoRARequestStates reports in vllm:lora_requests_info.
+    lora_in_flight: dict[str, int] = field(default_factory=dict)
 
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)
+        if req.lora:
+            self.lora_in_flight[req.lora] = self.lora_in_flight.get(req.lora, 0) + 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,6 +93,7 @@ class Scheduler:
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
+            self.kv.record_prefix_cache_stats(req, num_hit)
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             req.status = Status.RUNNING
@@ -101,6 +107,12 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
+    def preempt_all(self) -> None:
+        """Send every running request back to the waiting queue (vLLM's reset_prefix_cache
+        with reset_running_requests), last admitted first so the queue keeps their order."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, req: SimRequest) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -111,9 +123,16 @@ class Scheduler:
 
     def finish(self, req: SimRequest, status: Status) -> None:
         """Remove a request (finished or aborted) wherever it is and free its blocks."""
+        in_flight = True
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            in_flight = False  # never submitted, or already finished
         self.kv.free(req)
         req.status = status
+        if in_flight and req.lora and req.lora in self.lora_in_flight:
+            self.lora_in_flight[req.lora] -= 1
+            if not self.lora_in_flight[req.lora]:
+                del self.lora_in_flight[req.lora]

@@ -19,6 +19,7 @@ from epp.sim.protocol import (
     ResponseShape,
     chat_messages,
     completion_prompt,
+    new_id,
     parse_generation,
     usage,
 )
@@ -27,6 +28,8 @@ from epp.sim.request import SimRequest, Status
 
 REPLICA = web.AppKey("replica", Replica)
 DEFAULT_MAX_TOKENS = 16
+# Prompts at least this long get their block hashes computed off the event loop.
+OFFLOAD_HASH_TOKENS = 8192
 SIM_VERSION = "0.32.0+epp.sim"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
@@ -121,7 +124,22 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
     shape = ResponseShape.new(chat, params.model)
     engine = replica.engine
-    req = SimRequest(shape.request_id, tokens, params.max_tokens, engine.clock(), lora)
+    arrival = engine.clock()
+    overhead = engine.config.profile.request_overhead_s * engine.config.time_scale
+    if overhead:
+        await asyncio.sleep(overhead)
+    req = SimRequest(
+        shape.request_id,
+        tokens,
+        params.max_tokens,
+        arrival,
+        lora,
+        replica.config.lora_modules[lora] if lora else None,
+    )
+    if engine.config.enable_prefix_caching and len(tokens) >= OFFLOAD_HASH_TOKENS:
+        # vLLM's sha256 block hashes cost a few us per block: hash a long prompt in a worker
+        # thread (the engine then finds them cached) rather than stall every replica's loop.
+        await asyncio.to_thread(req.block_hashes, engine.config.block_size)
     engine.submit(req)
     try:
         if params.stream:
@@ -235,7 +253,8 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise APIError(400, "'tokens' must be a list of token ids", "tokens")
-    return _json({"prompt": replica.tokenizer.decode(tokens)})
+    # vLLM's /detokenize keeps special tokens ("<s><|im_start|>..."), unlike generated text.
+    return _json({"prompt": replica.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -252,7 +271,24 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "vllm",
             "root": root,
             "parent": parent,
-            "max_model_len": cfg.engine.max_model_len,
+            # vLLM reports no length for an adapter.
+            "max_model_len": None if parent else cfg.engine.max_model_len,
+            "permission": [
+                {
+                    "id": new_id("modelperm"),
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     data = [card(cfg.model, root, None)]
@@ -320,7 +356,7 @@ async def post_faults(request: web.Request) -> web.Response:
     else:
         replica.engine.resume()
     if body.get("clear_cache"):
-        replica.engine.kv.pool.reset()
+        replica.engine.kv.pool.reset(force=True)
     if body.get("crash"):
         # Answer first so the caller is not left guessing, then die.
         asyncio.get_running_loop().call_later(0.05, replica.crash)
@@ -328,8 +364,12 @@ async def post_faults(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    _replica(request).engine.kv.pool.reset()
-    return web.Response(status=200)
+    """vLLM's dev-mode route: `{"success": false}` while blocks are in use, unless
+    `?reset_running_requests=true`, which preempts the running requests first."""
+    engine = _replica(request).engine
+    if request.query.get("reset_running_requests", "").lower() == "true":
+        engine.scheduler.preempt_all()
+    return _json({"success": engine.kv.pool.reset()})
 
 
 def make_app(replica: Replica) -> web.Application:

@@ -47,8 +47,8 @@ class SimTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode() off the event loop for long texts: tokenizing a 200 KB prompt takes tens

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epp.prefix.approximate import ApproximatePrefixIndex
+from epp.prefix.precise import PreciseIndex
+from epp.prefix.tokens import TokenizerRegistry
 from epp.state.inflight import InflightTracker
 from epp.state.memory import MemoryStore
+from epp.state.sessions import SessionTable
 from epp.state.store import StateStore
 
 
@@ -18,3 +22,8 @@ from epp.state.store import StateStore
 class FleetState:
     store: StateStore = field(default_factory=MemoryStore)
     inflight: InflightTracker = field(default_factory=InflightTracker)
+    prefix: ApproximatePrefixIndex = field(default_factory=ApproximatePrefixIndex)
+    sessions: SessionTable = field(default_factory=SessionTable)
+    # Engine-reported prefix caches (KV events) and the tokenizers that key prompts like them.
+    precise: PreciseIndex = field(default_factory=PreciseIndex)
+    tokenizers: TokenizerRegistry = field(default_factory=TokenizerRegistry)

@@ -4,8 +4,9 @@ Redis is an accelerator of agreement, not a dependency of availability: every ca
 and the sources make is served from the local copy-on-write snapshot, and one background task
 talks to Redis. Each tick it sends a single pipeline (one round trip) that writes the states put
 since the last tick (``SET {prefix}:ep:{address} <json> PX ttl``) and reads every endpoint this
-process knows with one ``MGET``; a remote state replaces the local one only if it was scraped
-more recently, so processes converge on the freshest observation of each endpoint.
+process knows (one ``GET`` each); a remote state replaces the local one only if it was scraped
+more recently (or, for the same scrape, has counted more failed polls since: a failing endpoint's
+``scraped_at`` stands still), so processes converge on the freshest observation of each endpoint.
 
 When Redis is unreachable the store keeps serving local state, logs one warning, reports
 ``epp_state_store_up 0`` and retries with capped, jittered exponential backoff; when Redis answers
@@ -15,6 +16,7 @@ again it logs once and pushes the whole local state, since Redis may have restar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,12 +25,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from epp.observability import STORE_UP
 from epp.state.local import LocalSnapshot
+from epp.state.shared.connect import connect
 from epp.state.snapshot import EndpointMetrics, EndpointState, Snapshot
 from epp.state.store import StateStore
 
@@ -51,7 +53,8 @@ class RedisStore(StateStore):
     """Local snapshot plus a background sync of endpoint states with Redis.
 
     ``url`` is a redis-py URL: ``redis://[user:password@]host:port/db`` or ``rediss://`` for
-    TLS (certificate options as query parameters, e.g. ``?ssl_ca_certs=/path/ca.pem``).
+    TLS (certificate options as query parameters, e.g. ``?ssl_ca_certs=/path/ca.pem``), or a
+    Sentinel or Cluster URL (:mod:`epp.state.shared.connect`).
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class RedisStore(StateStore):
         if refresh_interval <= 0 or ttl <= 0:
             raise ValueError("refresh_interval and ttl must be > 0")
         # Parsing the URL here makes a malformed one a configuration error; nothing connects yet.
-        self._redis = Redis.from_url(
+        self._redis = connect(
             url,
             socket_timeout=_SOCKET_TIMEOUT,
             socket_connect_timeout=_SOCKET_TIMEOUT,
@@ -86,6 +89,8 @@ class RedisStore(StateStore):
         self._up: bool | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # Set when an endpoint's readiness changes: written at once, not on the next tick.
+        self._urgent = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -106,8 +111,13 @@ class RedisStore(StateStore):
 
     async def put_endpoint(self, state: EndpointState) -> None:
         self._known.add(state.address)
+        previous = self._local.current.get(state.address)
         if self._local.update((state,)):
             self._pending[state.address] = state
+            if previous is not None and previous.ready != state.ready:
+                # The other processes read every tick; writing now rather than at our next tick
+                # takes a crashed replica out of their rotation up to a tick sooner.
+                self._urgent.set()
 
     async def retain(self, addresses: Iterable[str]) -> None:
         # Also how endpoints become known before this process has scraped them: a fresh process
@@ -137,7 +147,10 @@ class RedisStore(StateStore):
                 continue
             self._set_up(True)
             backoff = self._interval
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval):
+                    await self._urgent.wait()
+            self._urgent.clear()
 
     async def _sync(self) -> None:
         if self._up is not True:
@@ -147,13 +160,16 @@ class RedisStore(StateStore):
         batch, self._pending = self._pending, {}
         addresses = list(self._known)
         try:
+            if not batch and not addresses:
+                await self._redis.ping()  # nothing to do, but STORE_UP must still tell the truth
+                return
             async with self._redis.pipeline(transaction=False) as pipe:
                 for state in batch.values():
                     pipe.set(self._key(state.address), _encode(state), px=self._ttl_ms)
-                if addresses:
-                    pipe.mget([self._key(a) for a in addresses])
-                if not batch and not addresses:
-                    pipe.ping()  # nothing to do, but STORE_UP must still tell the truth
+                # One GET per key rather than MGET (and no PING above): Redis Cluster pipelines
+                # refuse multi-key and keyless commands. Still one round trip.
+                for address in addresses:
+                    pipe.get(self._key(address))
                 results = await pipe.execute()
         except BaseException:
             # Not written: queue again, unless a newer state was put or the endpoint was dropped
@@ -163,7 +179,7 @@ class RedisStore(StateStore):
                     self._pending.setdefault(address, state)
             raise
         if addresses:
-            self._merge(addresses, results[-1])
+            self._merge(addresses, results[len(batch) :])
 
     def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:
         # Compared against the snapshot as it is now, after the await: puts and retains that
@@ -181,9 +197,9 @@ class RedisStore(StateStore):
             local = current.get(address)
             if state.address != address:
                 continue
-            if local is None or state.scraped_at > local.scraped_at:
+            if local is None or _order(state) > _order(local):
                 newer.append(state)
-            elif state.scraped_at < local.scraped_at:
+            elif _order(state) < _order(local):
                 # Another process overwrote our fresher observation (writes are last-writer-wins,
                 # not newest-wins): write ours back, so Redis converges even if we do not scrape
                 # this endpoint again soon.
@@ -206,6 +222,11 @@ class RedisStore(StateStore):
             )
         STORE_UP.set(1 if up else 0)
         self._up = up
+
+
+def _order(state: EndpointState) -> tuple[float, int]:
+    """Which of two observations of one endpoint is newer: failed polls since count too."""
+    return (state.scraped_at, state.failures)
 
 
 def _encode(state: EndpointState) -> str:

@@ -1,5 +1,5 @@
 """Filters: remove endpoints that must not serve a request."""
 
-from epp.scheduling.filters import ready
+from epp.scheduling.filters import kv_headroom, lora, ready
 
-__all__ = ["ready"]
+__all__ = ["kv_headroom", "lora", "ready"]

@@ -1,5 +1,25 @@
 """Scorers: rate each candidate endpoint in [0, 1] for a request."""
 
-from epp.scheduling.scorers import kv_utilization, load, queue, ttft
+from epp.scheduling.scorers import (
+    capacity,
+    kv_utilization,
+    load,
+    lora,
+    precise_prefix,
+    prefix,
+    queue,
+    session,
+    ttft,
+)
 
-__all__ = ["kv_utilization", "load", "queue", "ttft"]
+__all__ = [
+    "capacity",
+    "kv_utilization",
+    "load",
+    "lora",
+    "precise_prefix",
+    "prefix",
+    "queue",
+    "session",
+    "ttft",
+]

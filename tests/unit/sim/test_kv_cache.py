@@ -1,11 +1,26 @@
-"""Block pool: chained hashes, hits, reference counts, LRU eviction, usage, events."""
+"""Block pool: vLLM's chained hashes, hits, reference counts, LRU eviction, usage, events."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
-from epp.sim.kv_cache import BlockPool, block_hash, hash_blocks
+import msgpack
+
+from epp.sim.kv_cache import (
+    BlockPool,
+    block_digest,
+    external_hash,
+    hash_block_digests,
+    hash_blocks,
+    lora_extra_keys,
+)
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 
 
 class Recorder:
@@ -21,33 +36,78 @@ class Recorder:
     def all_cleared(self) -> None:
         self.events.append(("cleared",))
 
+    def end_step(self) -> None:
+        self.events.append(("end_step",))
+
 
 def test_hashes_are_chained_and_skip_partial_blocks() -> None:
     a = hash_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     assert len(a) == 2  # the 9th token is a partial block
-    assert a[0] == block_hash(None, [1, 2, 3, 4])
-    assert a[1] == block_hash(a[0], [5, 6, 7, 8])
+    d0 = block_digest(None, [1, 2, 3, 4], None)
+    assert a[0] == external_hash(d0)
+    # The chain runs on full 32-byte digests; events carry their low 64 bits.
+    assert a[1] == external_hash(block_digest(d0, [5, 6, 7, 8], None))
+    assert hash_block_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)[0] == d0
     # Same second block after a different first block: different hash (it names the prefix).
     b = hash_blocks([9, 9, 9, 9, 5, 6, 7, 8], 4)
     assert b[1] != a[1]
-    # The LoRA adapter is part of the key.
-    assert hash_blocks([1, 2, 3, 4], 4, "lora-a") != a[:1]
+    # The LoRA adapter (name and path) is part of the key.
+    assert hash_blocks([1, 2, 3, 4], 4, lora_extra_keys("lora-a", "/a")) != a[:1]
+    assert hash_blocks([1, 2, 3, 4], 4, lora_extra_keys("lora-a", "/b")) != hash_blocks(
+        [1, 2, 3, 4], 4, lora_extra_keys("lora-a", "/a")
+    )
     assert all(0 <= h < 2**64 for h in a)
 
 
-def test_hashes_are_stable_across_processes() -> None:
+def _stored_events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        frames = [base64.b64decode(f) for f in json.loads(line)["frames_b64"]]
+        _, events, _ = msgpack.unpackb(frames[2])
+        out += [e for e in events if e["type"] == "BlockStored"]
+    return out
+
+
+def test_hashes_equal_a_real_vllm_servers() -> None:
+    """Every first-of-prompt BlockStored captured from vLLM 0.32 recomputes to the same hashes:
+    a router that derives hashes from token ids sees the simulator like a real fleet."""
+    stored = [e for e in _stored_events(FIXTURES / "kv_events.msgpack.jsonl")]
+    firsts = [e for e in stored if e["parent_block_hash"] is None and e["lora_name"] is None]
+    assert len(firsts) >= 3
+    for e in firsts:
+        assert hash_blocks(e["token_ids"], e["block_size"]) == e["block_hashes"]
+
+
+def test_lora_hashes_equal_a_real_vllm_servers() -> None:
+    """vLLM hashes a LoRA request's blocks with ("lora", name, path); the capture served
+    tiny-lora from $REPO/.cache/tiny-lora."""
+    stored = _stored_events(FIXTURES / "kv_events_lora.msgpack.jsonl")
+    (first,) = [e for e in stored if e["parent_block_hash"] is None and e["lora_name"]]
+    path = str(FIXTURES.parents[2] / ".cache" / "tiny-lora")
+    keys = lora_extra_keys(first["lora_name"], path)
+    assert hash_blocks(first["token_ids"], first["block_size"], keys) == first["block_hashes"]
+    assert first["extra_keys"] == [[first["lora_name"]]] * len(first["block_hashes"])
+
+
+def _hashes_in_subprocess(seed: str | None) -> str:
     code = "from epp.sim.kv_cache import hash_blocks; print(hash_blocks(list(range(8)), 4))"
-    runs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={"PYTHONHASHSEED": seed},
-        ).stdout
-        for seed in ("1", "2")
-    }
-    assert runs == {f"{hash_blocks(list(range(8)), 4)}\n"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout
+
+
+def test_hashes_are_stable_across_processes_and_seeded_like_vllm() -> None:
+    # Without PYTHONHASHSEED every process salts str hashes differently: the block hashes
+    # must not depend on that (sha256 over pickle, as vLLM). When it is set, vLLM derives its
+    # root hash from it, and so does the simulator.
+    unseeded = {_hashes_in_subprocess(None) for _ in range(2)}
+    assert len(unseeded) == 1
+    if "PYTHONHASHSEED" not in os.environ:
+        assert unseeded == {f"{hash_blocks(list(range(8)), 4)}\n"}
+    assert _hashes_in_subprocess("7") not in unseeded
 
 
 def fill(pool: BlockPool, tokens: list[int]) -> list:
@@ -117,7 +177,39 @@ def test_stored_event_carries_chain_parent_and_tokens() -> None:
 def test_reset_forgets_hashes_and_announces_it() -> None:
     rec = Recorder()
     pool = BlockPool(8, 2, rec)
-    fill(pool, [1, 2, 3, 4])
-    pool.reset()
+    blocks = fill(pool, [1, 2, 3, 4])
+    # vLLM refuses while blocks are in use, and says nothing.
+    assert pool.reset() is False
+    assert pool.lookup(hash_blocks([1, 2], 2)) == blocks[:1]
+    assert rec.events[-1][0] == "stored"
+    pool.release(list(reversed(blocks)))
+    assert pool.reset() is True
     assert pool.lookup(hash_blocks([1, 2], 2)) == []
     assert rec.events[-1] == ("cleared",)
+
+
+def test_forced_reset_keeps_in_use_blocks_allocated() -> None:
+    rec = Recorder()
+    pool = BlockPool(8, 2, rec)
+    fill(pool, [1, 2, 3, 4])
+    assert pool.reset(force=True) is True
+    assert pool.lookup(hash_blocks([1, 2], 2)) == []
+    assert pool.num_used == 2
+    assert rec.events[-1] == ("cleared",)
+
+
+def test_freed_uncached_blocks_are_reused_before_any_cached_block_is_evicted() -> None:
+    """vLLM's free_blocks prepends blocks without a hash (a prompt's partial tail) to the free
+    queue and appends cached ones, so a partial block never pushes a cached block out."""
+    rec = Recorder()
+    pool = BlockPool(5, 2, rec)  # 4 usable blocks
+    full = fill(pool, [1, 1, 2, 2])  # 2 cached blocks
+    partial = pool.allocate(1)  # e.g. the last, partial block of the same prompt
+    pool.release(list(reversed(full + partial)))
+    assert next(iter(pool.free)) == partial[0].block_id  # head: reused first
+    assert list(pool.free)[-2:] == [full[1].block_id, full[0].block_id]  # tail first out
+    rec.events.clear()
+    pool.allocate(2)  # the partial block and the never-used one: no eviction
+    assert rec.events == []
+    pool.allocate(1)
+    assert rec.events == [("removed", [hash_blocks([1, 1, 2, 2], 2)[1]])]

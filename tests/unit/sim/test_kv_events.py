@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -98,10 +99,36 @@ async def test_block_stored_then_removed_then_cleared(start_replica, tmp_path) -
             s.post(f"http://{r.config.address}/admin/faults", json={"clear_cache": True}) as resp,
         ):
             assert resp.status == 200
-        got = await receive(sock, "AllBlocksCleared")
-        assert got[-1][1] == {"type": "AllBlocksCleared"}
+        # As in vLLM, the clear waits for the next engine step and shares its batch.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sock.recv_multipart(), 0.3)
+        await complete(r.config.address, {"prompt": list(range(200, 209)), "max_tokens": 1})
+        frames = await asyncio.wait_for(sock.recv_multipart(), 5)
+        _, events, _ = msgpack.unpackb(frames[2])
+        assert [e["type"] for e in events] == ["AllBlocksCleared", "BlockStored"]
+        assert events[0] == {"type": "AllBlocksCleared"}
     finally:
         sock.close()
+
+
+async def test_reset_prefix_cache_answers_like_vllm(start_replica) -> None:
+    """POST /reset_prefix_cache: {"success": bool}, refused while a request holds blocks."""
+    # Unscaled steps (~3 ms each): the 50-token request is still running at the first reset.
+    r = await start_replica(engine=engine_config(time_scale=1.0))
+    base = f"http://{r.config.address}"
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(
+            complete(r.config.address, {"prompt": list(range(300, 340)), "max_tokens": 50})
+        )
+        for _ in range(200):  # polling the engine's state, not waiting for an event
+            if r.engine.scheduler.running:
+                break
+            await asyncio.sleep(0.005)
+        async with s.post(base + "/reset_prefix_cache") as resp:
+            assert (resp.status, await resp.json()) == (200, {"success": False})
+        await task
+        async with s.post(base + "/reset_prefix_cache") as resp:
+            assert (resp.status, await resp.json()) == (200, {"success": True})
 
 
 async def test_bound_publisher_numbers_batches_from_zero(start_replica, tmp_path) -> None:

@@ -133,3 +133,53 @@ def test_lora_requests_wait_when_all_adapter_slots_are_taken() -> None:
     assert set(batch.num_tokens) == {a, base, a2}
     assert list(sched.waiting) == [b]
     assert sched.running_loras() == {"A"}
+
+
+def test_a_request_waiting_for_blocks_is_counted_once_when_admitted() -> None:
+    """vLLM records prefix-cache stats at admission: a request whose lookup is retried over
+    several steps (no free blocks yet) adds its tokens to queries once, not once per try."""
+    sched = make(blocks=5, block_size=4)  # 4 usable blocks
+    a = req("a", list(range(1, 13)), max_tokens=3)  # 3 blocks now, a 4th while decoding
+    b = req("b", list(range(20, 29)), max_tokens=1)  # needs 3 blocks
+    sched.add(a)
+    complete(sched, sched.schedule(0.0))
+    sched.add(b)
+    for _ in range(2):  # b does not fit next to a: looked up, not admitted, not counted
+        batch = sched.schedule(0.0)
+        assert b not in batch.num_tokens
+        assert sched.kv.stats.queries == 12
+        complete(sched, batch)
+    for _ in range(10):
+        if b.status is not Status.WAITING:
+            break
+        complete(sched, sched.schedule(0.0))
+    assert b.status is Status.FINISHED
+    assert sched.kv.stats.queries == 12 + 9
+
+
+def test_lora_in_flight_keeps_the_order_adapters_became_busy() -> None:
+    sched = make(loras=2)
+    x, y, x2 = (
+        req("x", [1] * 5, lora="sql"),
+        req("y", [2] * 5, lora="chat"),
+        req("x2", [3] * 5, lora="sql"),
+    )
+    for r in (x, y, x2):
+        sched.add(r)
+    assert list(sched.lora_in_flight) == ["sql", "chat"]
+    sched.finish(x, Status.FINISHED)
+    assert sched.lora_in_flight == {"sql": 1, "chat": 1}
+    sched.finish(x2, Status.ABORTED)
+    assert list(sched.lora_in_flight) == ["chat"]
+
+
+def test_preempt_all_requeues_running_requests_in_order() -> None:
+    sched = make()
+    a, b = req("a", [1] * 5), req("b", [2] * 5)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule(0.0)
+    sched.preempt_all()
+    assert sched.running == []
+    assert list(sched.waiting) == [a, b]
+    assert sched.kv.pool.num_used == 0

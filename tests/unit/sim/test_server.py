@@ -277,3 +277,93 @@ async def test_client_disconnect_aborts_the_request(start_replica) -> None:
     m = await scrape(r)
     assert sample(m, "vllm:num_requests_running") == 0
     assert sample(m, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def test_metrics_labels_follow_vllms_exposition(start_replica) -> None:
+    """Label names appear in vLLM's (sorted) order, and every finish reason vLLM pre-creates."""
+    r = await start_replica()
+    async with aiohttp.ClientSession() as s, s.get(url(r, "/metrics")) as resp:
+        text = await resp.text()
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in text
+    reasons = {
+        s.labels["finished_reason"] for s in (await scrape(r))["vllm:request_success"].samples
+    }
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}
+    (info,) = (await scrape(r))["vllm:cache_config_info"].samples
+    assert info.labels["prefix_caching_hash_algo"] == "sha256"
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    names = [kv.split("=")[0] for kv in line[line.index("{") + 1 : line.rindex("}")].split(",")]
+    assert names == sorted(names)
+
+
+async def test_lora_info_lists_an_adapter_in_flight_as_running_and_waiting(start_replica) -> None:
+    """vLLM 0.32: absent before the first engine step; an adapter with a request in flight
+    appears in both labels; no engine/model_name labels."""
+    r = await start_replica(
+        lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1, time_scale=1.0)
+    )
+    assert not (await scrape(r))["vllm:lora_requests_info"].samples
+    task = asyncio.create_task(
+        post(r, "/v1/completions", {"model": "sql", "prompt": [5] * 10, "max_tokens": 40})
+    )
+    for _ in range(200):
+        if r.engine.scheduler.running:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02)  # a few steps
+    samples = (await scrape(r))["vllm:lora_requests_info"].samples
+    latest = max(samples, key=lambda s: s.value)
+    assert latest.labels == {
+        "max_lora": "1",
+        "running_lora_adapters": "sql",
+        "waiting_lora_adapters": "sql",
+    }
+    await task
+    latest = max((await scrape(r))["vllm:lora_requests_info"].samples, key=lambda s: s.value)
+    assert latest.labels["running_lora_adapters"] == latest.labels["waiting_lora_adapters"] == ""
+
+
+async def test_lora_blocks_hash_the_adapter_path_like_vllm(start_replica) -> None:
+    """vLLM's LoRA extra key is ("lora", name, path): the same adapter name at another path
+    must not share cached blocks."""
+    from epp.sim.kv_cache import hash_blocks, lora_extra_keys
+
+    r = await start_replica(
+        lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1)
+    )
+    prompt = list(range(10, 30))
+    await post(r, "/v1/completions", {"model": "sql", "prompt": prompt, "max_tokens": 1})
+    expected = hash_blocks(prompt, 4, lora_extra_keys("sql", "/adapters/sql"))
+    assert r.engine.kv.pool.lookup(expected)
+    assert not r.engine.kv.pool.lookup(hash_blocks(prompt, 4, lora_extra_keys("sql", "/x")))
+
+
+async def test_detokenize_keeps_special_tokens_and_models_match_vllm(start_replica) -> None:
+    r = await start_replica(
+        lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1)
+    )
+    status, _, body = await post(r, "/detokenize", {"tokens": [0, 3, 1000, 2000, 4]})
+    assert (status, body) == (200, {"prompt": "<s><|im_start|>000warn<|im_end|>"})  # as vLLM
+    async with aiohttp.ClientSession() as s, s.get(url(r, "/v1/models")) as resp:
+        base, adapter = (await resp.json())["data"]
+    assert base["max_model_len"] == 200
+    assert adapter["max_model_len"] is None  # vLLM reports no length for an adapter
+    assert adapter["root"] == "/adapters/sql"
+    assert base["permission"][0]["object"] == "model_permission"
+
+
+async def test_reset_running_requests_preempts_then_resets(start_replica) -> None:
+    r = await start_replica(engine=engine_config(time_scale=1.0))
+    task = asyncio.create_task(
+        post(r, "/v1/completions", {"prompt": list(range(300, 340)), "max_tokens": 30})
+    )
+    for _ in range(200):
+        if r.engine.scheduler.running:
+            break
+        await asyncio.sleep(0.005)
+    status, _, body = await post(r, "/reset_prefix_cache?reset_running_requests=true", None)
+    assert (status, body) == (200, {"success": True})
+    status, _, done = await task  # the preempted request is recomputed and still finishes
+    assert status == 200
+    assert done["usage"]["completion_tokens"] == 30
+    assert r.engine.scheduler.num_preemptions == 1

@@ -1,0 +1,1 @@
+"""Benchmarks: overhead.py (latency epp adds) and routing.py (routing quality)."""

@@ -1,0 +1,182 @@
+"""Decision time of a cache- and load-aware profile: 64 endpoints, 32k-token (~128 KB) prompts.
+
+Measures what epp spends per request between a parsed request and a chosen endpoint: the
+cycle, every filter and scorer (prompt hashing, prefix matching), the picker and the post-pick
+bookkeeping (index insert, session binding). Parsing the body is excluded (see
+``benchmarks/overhead.py`` for end-to-end numbers). The prefix index is warmed with earlier
+picks of the same workload: 200 groups sharing a ~96 KB system prompt, each request adding a
+unique ~32 KB question, as in GIE's shared-prefix benchmarks but with longer prompts.
+
+Usage: ``python benchmarks/decision_time.py [--requests 2000] [--endpoints 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import time
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from epp.config import parse_config
+from epp.prefix.hashing import BlockHasher
+from epp.request import InferenceRequest
+from epp.scheduling import Cycle, Profile
+from epp.state import EndpointMetrics, EndpointState, Snapshot
+from epp.state.fleet import FleetState
+
+PROMPT_TOKENS = 32 * 1024
+# Scrapes change load between requests; cycling through views spreads picks over the fleet.
+LOAD_VIEWS = 16
+SHARED_FRACTION = 0.75
+GROUPS = 200
+
+
+def profile(max_blocks: int) -> Profile:
+    hashing = {"max_blocks": max_blocks}
+    entries: list[dict[str, Any]] = [
+        {"plugin": "ready-endpoint-filter"},
+        {"plugin": "lora-filter"},
+        {"plugin": "kv-headroom-filter", "parameters": hashing},
+        {"plugin": "prefix-cache-scorer", "weight": 3, "parameters": hashing},
+        {"plugin": "session-affinity-scorer", "weight": 2},
+        {"plugin": "lora-affinity-scorer", "weight": 1},
+        {"plugin": "capacity-scorer", "weight": 1},
+        {"plugin": "queue-scorer", "weight": 2},
+        {"plugin": "kv-cache-utilization-scorer", "weight": 2},
+        {"plugin": "max-score-picker"},
+    ]
+    config = {
+        "models": {"m": {"pools": ["p"]}},
+        "pools": {"p": {"endpoints": ["10.0.0.1:8000"]}},
+        "scheduling": {"profile": "bench", "profiles": {"bench": entries}},
+    }
+    return parse_config(config).profile
+
+
+def endpoints(count: int, rng: random.Random) -> list[EndpointState]:
+    out = []
+    for i in range(count):
+        metrics = EndpointMetrics(
+            waiting=rng.randrange(8),
+            running=rng.randrange(32),
+            # Mostly roomy; a few nearly full so the headroom filter has work to do.
+            kv_usage=rng.choice([0.2, 0.5, 0.7, 0.99]),
+            block_size=16,
+            num_gpu_blocks=40_000,
+            running_loras=frozenset({"a"}) if i % 4 == 0 else frozenset(),
+            waiting_loras=frozenset(),
+            max_loras=4,
+        )
+        out.append(EndpointState(f"10.0.{i // 250}.{i % 250}:8000", "p", True, metrics, 1.0))
+    return out
+
+
+def text_requests(n: int, rng: random.Random) -> list[InferenceRequest]:
+    chars = PROMPT_TOKENS * 4
+    shared = int(chars * SHARED_FRACTION)
+    groups = [os.urandom(shared // 2).hex() for _ in range(GROUPS)]
+    return [
+        InferenceRequest(
+            str(i),
+            "/v1/chat/completions",
+            "chat",
+            "m",
+            rng.choice(groups) + os.urandom((chars - shared) // 2).hex(),
+            lora="a" if i % 8 == 0 else None,
+            session=f"s{rng.randrange(5000)}",
+        )
+        for i in range(n)
+    ]
+
+
+def token_requests(n: int, rng: random.Random) -> list[InferenceRequest]:
+    shared = int(PROMPT_TOKENS * SHARED_FRACTION)
+
+    def ids(count: int) -> tuple[int, ...]:
+        return tuple(v % 100_000 for v in array("I", os.urandom(4 * count)))
+
+    groups = [ids(shared) for _ in range(GROUPS)]
+    return [
+        InferenceRequest(
+            str(i),
+            "/v1/completions",
+            "completions",
+            "m",
+            "",
+            prompt_token_ids=rng.choice(groups) + ids(PROMPT_TOKENS - shared),
+            session=f"s{rng.randrange(5000)}",
+        )
+        for i in range(n)
+    ]
+
+
+def percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    ordered = sorted(samples_ns)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return statistics.median(ordered) / 1000, p99 / 1000
+
+
+def decisions(
+    warmup: list[InferenceRequest],
+    requests: list[InferenceRequest],
+    views: list[list[EndpointState]],
+    max_blocks: int,
+) -> tuple[float, float]:
+    """Decision time of ``requests`` after ``warmup`` filled the prefix index and sessions."""
+    prof, fleet, snapshot = profile(max_blocks), FleetState(), Snapshot()
+    weights = {e.address: 2.0 for e in views[0][::8]}
+    run = prof.run
+    rotation = itertools.cycle(views)
+
+    def decide(request: InferenceRequest) -> None:
+        run(request, next(rotation), Cycle(snapshot, fleet, weights), 2)
+
+    for request in warmup:
+        decide(request)
+    return percentiles(timed(decide, requests))
+
+
+def timed(fn: Callable[[InferenceRequest], object], requests: list[InferenceRequest]) -> list[int]:
+    clock = time.perf_counter_ns
+    samples = []
+    for request in requests:
+        start = clock()
+        fn(request)
+        samples.append(clock() - start)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--endpoints", type=int, default=64)
+    args = parser.parse_args()
+    rng = random.Random(1)
+    views = [endpoints(args.endpoints, rng) for _ in range(LOAD_VIEWS)]
+    # Each workload's first half warms the index; the second (new questions) is measured.
+    n = args.requests
+    workloads = {
+        "text, 128 KB": text_requests(2 * n, rng),
+        "token ids, 32k": token_requests(2 * n, rng),
+    }
+    print(f"{args.endpoints} endpoints, {args.requests} requests per row, times in µs\n")
+    print(f"{'prompt':<16}{'max_blocks':>11}{'hash p50':>10}{'hash p99':>10}", end="")
+    print(f"{'decide p50':>12}{'decide p99':>12}")
+    for name, both in workloads.items():
+        warmup, requests = both[:n], both[n:]
+        # 256 is GIE's cap (4k tokens); 2048 covers the whole 32k-token prompt.
+        for max_blocks in (256, 2048):
+            hasher = BlockHasher(max_blocks=max_blocks)
+            hash_p50, hash_p99 = percentiles(timed(hasher.hashes, requests))
+            p50, p99 = decisions(warmup, requests, views, max_blocks)
+            print(f"{name:<16}{max_blocks:>11}{hash_p50:>10.0f}{hash_p99:>10.0f}", end="")
+            print(f"{p50:>12.0f}{p99:>12.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""Routing quality: epp's profiles against round robin, least request and the open routers.
+
+One run measures every router on the same simulated fleet shape and the same deterministic
+workloads, side by side. Per router and workload it starts a fresh fleet (empty caches), then
+drives open-loop Poisson stages of increasing rate through that router's front door with
+streaming requests, and reads TTFT, throughput, errors, the replicas' own prefix-cache counters
+and the spread of requests over replicas. Stages of one router run back to back on warm caches
+(as a load test ramping up a live system would); the first stage includes the cold start, for
+every router alike.
+
+The KV cache is sized so the shared-prefix workload's system prompts need ``--kv-ratio`` of
+the whole fleet's KV: a router that spreads each group over all replicas makes every replica
+hold every prefix and thrash; one that keeps groups together can hold them all.
+
+Usage: ``python -m benchmarks.routing [--quick] [--routers a,b] [--workloads a,b]``.
+Writes ``docs/benchmarks.md`` and ``docs/img/routing-*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.loadgen import StageRun, poisson_arrivals, run_stage
+from benchmarks.oracle import Oracle
+from benchmarks.report import Row, Run, markdown, plots, progress_line, text_table
+from benchmarks.routers import Fleet, FleetStack, Router, all_routers
+from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+# Offered rates (requests per wall-clock second) per workload at the default time scale (3):
+# from below round robin's saturation to past the best router's. Calibrated on this 2-core
+# machine; docs/benchmarks.md says how.
+RATES = {
+    "shared-prefix": [4.0, 8.0, 12.0, 16.0],
+    "multi-turn": [8.0, 16.0],
+    "lora": [8.0, 16.0],
+}
+# --quick: one stage past round robin's saturation, so routing still shows; shared-prefix only
+# unless --workloads says otherwise (every router x workload pair restarts a fleet).
+QUICK_RATES = {"shared-prefix": [10.0], "multi-turn": [10.0], "lora": [10.0]}
+QUICK_WORKLOADS = ["shared-prefix"]
+COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+)
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+@dataclass
+class Stage:
+    """One rate of one workload: the same requests and send times for every router."""
+
+    rate: float
+    items: list[Item]
+    arrivals: list[float]
+    oracle_hit_rate: float
+
+
+def plan(workload: Workload, rates: Sequence[float], duration: float, fleet: Fleet) -> list[Stage]:
+    """Draw every stage's requests up front (tokenizing is not part of the measurement) and
+    replay them through the oracle."""
+    stream = workload.stream()
+    oracle = Oracle(fleet.replicas, fleet.num_gpu_blocks, fleet.block_size)
+    stages = []
+    for i, rate in enumerate(rates):
+        arrivals = poisson_arrivals(rate, duration, random.Random(f"{workload.seed}/{i}"))
+        items = [next(stream) for _ in arrivals]
+        stages.append(Stage(rate, items, arrivals, oracle.replay(items)))
+    return stages
+
+
+def replica_counters(addresses: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The counters this benchmark reads from each replica's /metrics, summed over labels."""
+    out: dict[str, dict[str, float]] = {}
+    for address in addresses:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            page = resp.read().decode()
+        values = dict.fromkeys(COUNTERS, 0.0)
+        for name, value in _SAMPLE.findall(page):
+            if name in values:
+                values[name] += float(value)
+        out[address] = values
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time of these processes (all their threads), from /proc."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of sorted values; NaN when there are none."""
+    if not values:
+        return math.nan
+    pos = (len(values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def summarize(
+    workload: str,
+    router: str,
+    stage: Stage,
+    run: StageRun,
+    delta: dict[str, dict[str, float]],
+    cpu: tuple[float, float],
+) -> Row:
+    ok = [o for o in run.outcomes if o.ok]
+    ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
+    busy = run.busy_s or math.nan
+    hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta.values())
+    queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta.values())
+    served = [d["vllm:request_success_total"] for d in delta.values()]
+    mean = statistics.fmean(served) if served else 0.0
+    errors = [o.error for o in run.outcomes if not o.ok]
+    return Row(
+        workload=workload,
+        router=router,
+        rate=stage.rate,
+        sent=len(run.outcomes),
+        ok=len(ok),
+        errors=len(errors),
+        req_s=len(ok) / busy,
+        out_tok_s=sum(o.output_tokens for o in ok) / busy,
+        ttft_p50=percentile(ttfts, 0.50),
+        ttft_p90=percentile(ttfts, 0.90),
+        ttft_p99=percentile(ttfts, 0.99),
+        hit_rate=hits / queries if queries else 0.0,
+        oracle_hit_rate=stage.oracle_hit_rate,
+        load_cv=statistics.pstdev(served) / mean if mean else math.nan,
+        preemptions=int(sum(d["vllm:num_preemptions_total"] for d in delta.values())),
+        sim_cpu=cpu[0],
+        router_cpu=cpu[1],
+        send_lag=run.max_send_lag_s,
+        first_error=errors[0] if errors else "",
+    )
+
+
+def _run_async(coro: Coroutine[Any, Any, StageRun]) -> StageRun:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def measure(
+    router: Router,
+    workload: Workload,
+    stages: Sequence[Stage],
+    fleet: Fleet,
+    args: argparse.Namespace,
+    workdir: Path,
+) -> list[Row]:
+    """Fresh fleet + router, then every stage in order; everything is stopped on the way out."""
+    stack: FleetStack = router.stack(workdir, fleet)
+    started = time.monotonic()
+    try:
+        url = router.start(stack, fleet, timeout=args.start_timeout)
+        print(f"  {router.name}: ready in {time.monotonic() - started:.1f}s", flush=True)
+        sim_pids = [p.popen.pid for n, p in stack.procs.items() if n.startswith("sim")]
+        router_pids = [p.popen.pid for n, p in stack.procs.items() if not n.startswith("sim")]
+        rows = []
+        for stage in stages:
+            before = replica_counters(stack.replica_addresses)
+            cpu_before = cpu_seconds(sim_pids), cpu_seconds(router_pids)
+            wall = time.monotonic()
+            run = _run_async(
+                run_stage(
+                    url,
+                    [item.request for item in stage.items],
+                    stage.arrivals,
+                    request_timeout=args.request_timeout,
+                    drain_timeout=args.drain_timeout,
+                )
+            )
+            wall = time.monotonic() - wall
+            after = replica_counters(stack.replica_addresses)
+            cpu = (
+                (cpu_seconds(sim_pids) - cpu_before[0]) / wall,
+                (cpu_seconds(router_pids) - cpu_before[1]) / wall,
+            )
+            delta = {a: {k: after[a][k] - before[a][k] for k in COUNTERS} for a in after}
+            row = summarize(workload.name, router.name, stage, run, delta, cpu)
+            print(progress_line(row), flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        stack.stop()
+
+
+def make_fleet(args: argparse.Namespace, workload: Workload) -> Fleet:
+    """KV sized from the shared-prefix workload (the same for every workload, so results
+    compare): its system prompts take ``kv_ratio`` of the fleet's cacheable tokens."""
+    prefixes = SharedPrefix(seed=args.seed).shared_tokens()
+    per_replica = prefixes / (args.kv_ratio * args.replicas * BLOCK_SIZE)
+    return Fleet(
+        replicas=args.replicas,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=math.ceil(per_replica) + 1,
+        lora_modules=tuple(workload.lora_modules()),
+        max_loras=getattr(workload, "max_loras", 1),
+        sim_processes=args.sim_processes,
+    )
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{platform.node()} ({cpu}, {os.cpu_count()} cores shared by the simulator, the router "
+        f"and the load generator; load average {load} at start; Python "
+        f"{platform.python_version()}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+
+
+def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespace) -> list[str]:
+    per_replica = (fleet.num_gpu_blocks - 1) * fleet.block_size
+    lines = [
+        f"- Fleet: {fleet.replicas} simulated vLLM replicas (`epp sim {' '.join(fleet.sim_args())}`"
+        f"): {per_replica:,} cacheable tokens each, {fleet.kv_tokens:,} in all.",
+        f"- Stages of {args.duration:g} s of open-loop Poisson arrivals per rate; each request "
+        f"times out after {args.request_timeout:g} s; requests still running "
+        f"{args.drain_timeout:g} s after a stage's last send count as errors.",
+    ]
+    for w in workloads:
+        shared = w.shared_tokens()
+        lines.append(
+            f"- `{w.name}`: {w.describe()}. Tokens to keep cached: {shared:,} = "
+            f"{100 * shared / fleet.kv_tokens:.0f}% of the fleet's KV, "
+            f"{shared / per_replica:.1f}x one replica's."
+        )
+    return lines
+
+
+def caveats(args: argparse.Namespace) -> list[str]:
+    return [
+        f"- Simulated replicas, not GPUs: the `{args.profile}` step-time model of "
+        "docs/simulator.md, slowed down "
+        f"{args.time_scale:g}x (`--time-scale {args.time_scale:g}`) so the whole benchmark fits "
+        f"on this machine. Rates and latencies are wall-clock: the modelled GPU would serve "
+        f"{args.time_scale:g}x the rate at 1/{args.time_scale:g} of the latency. The relative "
+        "order of routers is the result, not the absolute numbers.",
+        "- One 2-core machine runs the simulator (split over "
+        f"{args.sim_processes} processes), the router, Envoy and the load generator; the CPU "
+        "columns show what the simulator and the router took. Two routers make the simulator "
+        "do work a real replica does on its own CPU: epp (like GIE) scrapes every replica's "
+        "`/metrics` every 50 ms, and rendering that page costs the simulator ~3 ms of CPU, about "
+        "half a core for 8 replicas; vllm-router calls `/v1/completions/render` (404 here) and "
+        "`/tokenize` on every worker for every request, so each request is tokenized 8 times on "
+        "the simulator. Where the simulator's CPU nears its cores, its timing stretches and "
+        "that router is penalised by the harness, not by its decisions.",
+        "- sglang-router and vllm-router are their own HTTP front door; round robin, least "
+        "request and epp go through Envoy (epp via ext_proc). Envoy and ext_proc add about "
+        "1-2 ms per request (docs/overhead.md), negligible against these TTFTs.",
+        "- `least-request` is Envoy's `LEAST_REQUEST` policy (power of two choices on active "
+        "requests). The peers run with their defaults (cache threshold 0.3, balance thresholds "
+        "64 requests absolute / 1.5x relative).",
+        "- Stages of one router run back to back on warm caches (the first starts cold, for "
+        "every router), each request stream is deterministic (`--seed`), and only arrival times "
+        "depend on the rate. One run, no repetitions: differences of ~10% at low load are "
+        "within run-to-run noise; a busy machine (see the load average above) adds more.",
+        "- The oracle pins each group / conversation / adapter to one replica (spread evenly), "
+        "replays the same requests one at a time through an LRU of each replica's full KV "
+        "capacity and counts hits with vLLM's rules. It ignores queueing and the KV of requests "
+        "in flight, so it is an upper bound a router can approach but should not be expected "
+        "to reach at high load.",
+        "- TTFT is measured at the first SSE chunk carrying generated text (not the chat role "
+        "chunk); output tokens come from the final usage chunk. Output text is filler.",
+    ]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.routing", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: one short stage of shared-prefix"
+    )
+    parser.add_argument("--routers", help="comma list of router names (default: all)")
+    parser.add_argument("--workloads", help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--rates", help="comma list of req/s for every workload (overrides)")
+    parser.add_argument("--duration", type=float, help="seconds per stage (default 8, quick 4)")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument(
+        "--sim-processes", type=int, default=2, help="simulator processes the fleet is split over"
+    )
+    parser.add_argument("--profile", default="h100", help="simulator hardware profile")
+    parser.add_argument(
+        "--time-scale", type=float, default=3.0, help="simulator time scale (3 = 3x slower)"
+    )
+    parser.add_argument(
+        "--kv-ratio",
+        type=float,
+        default=0.6,
+        help="share of the fleet's KV the shared-prefix system prompts need",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--slo", type=float, default=1.0, help="TTFT p90 target (s) for the report's summary"
+    )
+    parser.add_argument("--request-timeout", type=float, default=60.0)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--start-timeout", type=float, default=60.0)
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.duration is None:
+        args.duration = 4.0 if args.quick else 8.0
+    return args
+
+
+def run(args: argparse.Namespace, command: str) -> Run:
+    names = args.workloads.split(",") if args.workloads else None
+    names = names or (QUICK_WORKLOADS if args.quick else list(WORKLOADS))
+    workloads = [WORKLOADS[n](seed=args.seed) for n in names]
+    routers = all_routers()
+    if args.routers:
+        wanted = args.routers.split(",")
+        routers = [r for r in routers if r.name in wanted]
+        unknown = set(wanted) - {r.name for r in routers}
+        if unknown:
+            sys.exit(f"unknown routers: {', '.join(sorted(unknown))}")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="epp-routing-"))
+    fleet = make_fleet(args, workloads[0])
+    result = Run([], command, describe(fleet, workloads, args), caveats(args), machine(), args.slo)
+    print(f"routing benchmark; logs under {workdir}", flush=True)
+    print("\n".join(result.setup), flush=True)
+    for router in routers:
+        why = router.unavailable()
+        if why:
+            print(f"  {router.name}: unavailable: {why}", flush=True)
+            result.unavailable[router.name] = why
+    routers = [r for r in routers if r.name not in result.unavailable]
+    result.routers = {r.name: r.label() for r in routers}
+    for workload in workloads:
+        fleet = make_fleet(args, workload)
+        rates = (
+            [float(x) for x in args.rates.split(",")]
+            if args.rates
+            else (QUICK_RATES if args.quick else RATES)[workload.name]
+        )
+        print(f"== {workload.name}: planning {len(rates)} stages ...", flush=True)
+        stages = plan(workload, rates, args.duration, fleet)
+        for router in routers:
+            try:
+                result.rows += measure(
+                    router, workload, stages, fleet, args, workdir / router.name / workload.name
+                )
+            except (RuntimeError, OSError) as exc:
+                why = str(exc).splitlines()[0]
+                print(f"  {router.name}: failed on {workload.name}: {why}", flush=True)
+                result.unavailable[f"{router.name} on {workload.name}"] = why
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python -m benchmarks.routing " + " ".join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+
+    def _terminate(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # Children run in their own sessions (a terminal's Ctrl-C does not reach them), so both
+    # signals become KeyboardInterrupt here and the stacks' finally blocks stop every process.
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    try:
+        result = run(args, command.strip())
+    except KeyboardInterrupt:
+        print("interrupted: every process started was stopped; no report written", flush=True)
+        return 130
+    print()
+    print(text_table(result.rows))
+    try:
+        images = plots(result.rows, args.img_dir)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", flush=True)
+        images = []
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(markdown(result, images, args.output.parent))
+    print(f"wrote {args.output}" + "".join(f", {p}" for p in images), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

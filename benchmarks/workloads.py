@@ -1,0 +1,231 @@
+"""Deterministic request streams for the routing benchmark, measured in the simulator's tokens.
+
+Each workload is an endless, seeded stream: every router sees exactly the same requests in the
+same order (only the arrival times depend on the rate), so differences come from routing alone.
+Text is made of whole words from the simulator's own BPE vocabulary, one token each, and every
+prompt is tokenized with that tokenizer as the engine will see it, so token counts, KV
+footprints and the oracle's cache model are exact rather than estimated from characters.
+
+- ``shared-prefix``: GIE/inference-perf ``shared_prefix`` scaled down: G groups x U users, a long
+  system prompt per group and a shorter question per user; a request is a random (group, user).
+- ``multi-turn``: chat conversations whose turns extend the previous turn's messages; the session
+  header carries the conversation id.
+- ``lora``: completions on several LoRA adapters (Zipf popularity), each adapter with its own
+  task prompt; the fleet keeps fewer adapters resident (``--max-loras``) than there are.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+
+from benchmarks.loadgen import Request
+from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
+
+SESSION_HEADER = "x-session-token"
+MODEL = "tiny"
+
+
+@cache
+def tokenizer() -> SimTokenizer:
+    return SimTokenizer(BUNDLED_DIR)
+
+
+@cache
+def _words() -> tuple[str, ...]:
+    """ASCII vocabulary words: each is a single token when preceded by a space."""
+    vocab = tokenizer().tokenizer.get_vocab()
+    words = (t[1:] for t in vocab if t.startswith("Ġ"))
+    return tuple(sorted(w for w in words if w.isascii() and w.isalpha()))
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    """About ``tokens`` tokens of word salad (exact counts come from tokenizing the prompt)."""
+    words = _words()
+    return " ".join(rng.choice(words) for _ in range(tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A request plus what the benchmark's own models need to know about it.
+
+    ``key`` names the unit an ideal router would keep on one replica (group, conversation,
+    adapter); ``prompt_ids`` are the engine's token ids, for the oracle's cache model.
+    """
+
+    request: Request
+    key: str
+    prompt_ids: tuple[int, ...]
+    lora: str | None = None
+
+
+def _body(**fields: object) -> bytes:
+    return json.dumps(
+        {**fields, "stream": True, "stream_options": {"include_usage": True}},
+        separators=(",", ":"),
+    ).encode()
+
+
+@dataclass
+class SharedPrefix:
+    groups: int = 32
+    users: int = 8
+    system_tokens: int = 2048
+    question_tokens: int = 256
+    output_tokens: int = 200
+    seed: int = 0
+    name: str = "shared-prefix"
+
+    def describe(self) -> str:
+        return (
+            f"{self.groups} groups x {self.users} users, system prompt {self.system_tokens} "
+            f"tokens + question {self.question_tokens}, output {self.output_tokens} tokens"
+        )
+
+    def shared_tokens(self) -> int:
+        """Tokens an ideal fleet keeps cached: every group's system prompt once."""
+        return self.groups * self.system_tokens
+
+    def lora_modules(self) -> list[str]:
+        return []
+
+    def stream(self) -> Iterator[Item]:
+        rng = random.Random(self.seed)
+        items: dict[tuple[int, int], Item] = {}
+        systems = [text(rng, self.system_tokens) for _ in range(self.groups)]
+        for g, system in enumerate(systems):
+            for u in range(self.users):
+                prompt = f"{system}\n\n{text(rng, self.question_tokens)}"
+                items[g, u] = Item(
+                    Request(
+                        "/v1/completions",
+                        _body(model=MODEL, prompt=prompt, max_tokens=self.output_tokens),
+                    ),
+                    key=f"group-{g}",
+                    prompt_ids=tuple(tokenizer().encode(prompt)),
+                )
+        while True:
+            yield items[rng.randrange(self.groups), rng.randrange(self.users)]
+
+
+@dataclass
+class MultiTurn:
+    conversations: int = 24  # active at once; a finished one is replaced by a new one
+    turns: int = 6
+    system_tokens: int = 256  # shared by every conversation (the app's instructions)
+    first_user_tokens: int = 2048  # the first message brings a document
+    user_tokens: int = 96
+    output_tokens: int = 128
+    seed: int = 0
+    name: str = "multi-turn"
+
+    def describe(self) -> str:
+        return (
+            f"{self.conversations} active conversations x {self.turns} turns, first message "
+            f"{self.first_user_tokens} tokens, later ones {self.user_tokens}, replies "
+            f"{self.output_tokens} tokens"
+        )
+
+    def shared_tokens(self) -> int:
+        """Histories the fleet should keep between turns: mean context of an active chat."""
+        per_turn = self.user_tokens + self.output_tokens
+        mean_context = self.system_tokens + self.first_user_tokens + per_turn * self.turns / 2
+        return int(self.conversations * mean_context)
+
+    def lora_modules(self) -> list[str]:
+        return []
+
+    def stream(self) -> Iterator[Item]:
+        rng = random.Random(self.seed)
+        system = {"role": "system", "content": text(rng, self.system_tokens)}
+        started = 0
+
+        def conversation() -> Iterator[Item]:
+            nonlocal started
+            conv = f"conv-{started}"
+            started += 1
+            messages = [system, {"role": "user", "content": text(rng, self.first_user_tokens)}]
+            for turn in range(self.turns):
+                if turn:
+                    # The reply is canned, not the engine's output, so the stream is identical
+                    # for every router; the cache hit is on everything before it.
+                    messages += [
+                        {"role": "assistant", "content": text(rng, self.output_tokens)},
+                        {"role": "user", "content": text(rng, self.user_tokens)},
+                    ]
+                yield Item(
+                    Request(
+                        "/v1/chat/completions",
+                        _body(model=MODEL, messages=messages, max_tokens=self.output_tokens),
+                        {SESSION_HEADER: conv},
+                    ),
+                    key=conv,
+                    prompt_ids=tuple(tokenizer().encode_chat(messages)),
+                )
+
+        active = [conversation() for _ in range(self.conversations)]
+        while True:
+            i = rng.randrange(len(active))
+            item = next(active[i], None)
+            if item is None:
+                active[i] = conversation()
+                item = next(active[i])
+            yield item
+
+
+@dataclass
+class LoraMix:
+    adapters: int = 8
+    max_loras: int = 2
+    task_tokens: int = 768
+    question_tokens: int = 128
+    output_tokens: int = 128
+    zipf_s: float = 1.0
+    seed: int = 0
+    name: str = "lora"
+    _names: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._names = [f"adapter-{i}" for i in range(self.adapters)]
+
+    def describe(self) -> str:
+        return (
+            f"{self.adapters} adapters (Zipf s={self.zipf_s}), max_loras {self.max_loras}, "
+            f"task prompt {self.task_tokens} tokens + question {self.question_tokens}, "
+            f"output {self.output_tokens}"
+        )
+
+    def shared_tokens(self) -> int:
+        return self.adapters * self.task_tokens
+
+    def lora_modules(self) -> list[str]:
+        return self._names
+
+    def stream(self) -> Iterator[Item]:
+        rng = random.Random(self.seed)
+        tasks = [text(rng, self.task_tokens) for _ in self._names]
+        weights = [1 / (i + 1) ** self.zipf_s for i in range(self.adapters)]
+        while True:
+            i = rng.choices(range(self.adapters), weights)[0]
+            prompt = f"{tasks[i]}\n\n{text(rng, self.question_tokens)}"
+            name = self._names[i]
+            yield Item(
+                Request(
+                    "/v1/completions",
+                    _body(model=name, prompt=prompt, max_tokens=self.output_tokens),
+                ),
+                key=name,
+                prompt_ids=tuple(tokenizer().encode(prompt)),
+                lora=name,
+            )
+
+
+Workload = SharedPrefix | MultiTurn | LoraMix
+WORKLOADS: dict[str, type[Workload]] = {
+    "shared-prefix": SharedPrefix,
+    "multi-turn": MultiTurn,
+    "lora": LoraMix,
+}

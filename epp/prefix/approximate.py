@@ -1,0 +1,110 @@
+"""Which endpoint probably caches which prompt blocks, learned from epp's own routing.
+
+Engines do not tell an approximate scorer what they cache; epp remembers where it sent each
+prompt instead (GIE's approximate prefix index): after every pick the request's block hashes are
+recorded for the chosen endpoint, in one LRU per endpoint sized like that endpoint's KV cache, so
+blocks the engine has most likely evicted are forgotten in the same order.
+
+Chain invariant: a request records its blocks last-to-first, so a block is always at least as
+recent as every block after it in the same prompt, and eviction (oldest first) removes a
+prompt's tail before its head, as vLLM does. An endpoint's cached blocks of any prompt are
+therefore a leading run, and :meth:`ApproximatePrefixIndex.match` finds its length by binary
+search: ~log2(256) = 8 lookups per endpoint instead of one per block.
+
+Sharing between epp processes (a later issue) rides on :meth:`~ApproximatePrefixIndex.take_recent`
+and :meth:`~ApproximatePrefixIndex.apply`: each process ships the insertions it made as
+batches and applies the others', which keeps the invariant because an insertion is replayed
+whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+# GIE's default LRU size per endpoint when its KV capacity is unknown: 500k tokens / 16.
+DEFAULT_CAPACITY = 31_250
+# Insertions kept for sharing when nobody collects them; the oldest are dropped beyond this.
+RECENT_LIMIT = 4096
+
+
+class Insertion(NamedTuple):
+    """One pick's contribution to the index, as shipped between processes."""
+
+    endpoint: str
+    hashes: Sequence[int]
+    capacity: int
+
+
+class ApproximatePrefixIndex:
+    """Per-endpoint LRUs of block hashes; lives in :class:`~epp.state.fleet.FleetState`."""
+
+    def __init__(self, recent_limit: int = RECENT_LIMIT) -> None:
+        # OrderedDict as an LRU set: oldest first, move_to_end on reuse, popitem(last=False).
+        self._lrus: dict[str, OrderedDict[int, None]] = {}
+        self._recent: deque[Insertion] = deque(maxlen=recent_limit)
+
+    def insert(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+        """Record that ``endpoint`` now caches ``hashes`` (a prompt's chain, first block first).
+
+        ``capacity`` is the endpoint's cache size in blocks; the LRU shrinks or grows to it.
+        """
+        self._insert(endpoint, hashes, capacity)
+        self._recent.append(Insertion(endpoint, hashes, capacity))
+
+    def apply(self, batch: Iterable[Insertion]) -> None:
+        """Replay insertions made by other processes (not recorded again as recent)."""
+        for item in batch:
+            self._insert(*item)
+
+    def take_recent(self) -> list[Insertion]:
+        """Hand over (and forget) the insertions made here since the last call."""
+        batch = list(self._recent)
+        self._recent.clear()
+        return batch
+
+    def match(self, hashes: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """For each endpoint, how many leading blocks of ``hashes`` it caches."""
+        return {e: self._leading(self._lrus.get(e), hashes) for e in endpoints}
+
+    def forget(self, endpoint: str) -> None:
+        """Drop everything known about ``endpoint`` (removed, restarted, cache cleared)."""
+        self._lrus.pop(endpoint, None)
+
+    def size(self, endpoint: str) -> int:
+        """Blocks currently remembered for ``endpoint``."""
+        lru = self._lrus.get(endpoint)
+        return 0 if lru is None else len(lru)
+
+    def _insert(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+        lru = self._lrus.get(endpoint)
+        if lru is None:
+            lru = self._lrus[endpoint] = OrderedDict()
+        capacity = max(1, capacity)
+        touch = lru.move_to_end
+        # Last block first: the head of the chain ends up most recent (see module docstring).
+        for h in reversed(hashes):
+            if h in lru:
+                touch(h)
+            else:
+                lru[h] = None
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+
+    @staticmethod
+    def _leading(lru: OrderedDict[int, None] | None, hashes: Sequence[int]) -> int:
+        if not lru or not hashes or hashes[0] not in lru:
+            return 0
+        # Invariant: hashes[:low] are all cached and hashes[high:] are not (high may be len).
+        low, high = 1, len(hashes)
+        if hashes[-1] in lru:
+            return high
+        high -= 1
+        while low < high:
+            mid = (low + high) // 2
+            if hashes[mid] in lru:
+                low = mid + 1
+            else:
+                high = mid
+        return low

@@ -1,0 +1,41 @@
+"""Forget approximate prefix state that no engine holds any more.
+
+The approximate index only ever learns from epp's own picks, so it cannot see an engine lose its
+cache. Two events say so anyway: an endpoint leaves the configuration, or an engine restarts,
+which vLLM's monotonic ``prefix_cache_queries`` counter shows by going down. Without this, epp
+would keep steering a prefix group to a replica whose cache is empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from epp.prefix.approximate import ApproximatePrefixIndex
+from epp.state.snapshot import Snapshot
+
+log = logging.getLogger("epp.prefix")
+
+
+class CacheInvalidator:
+    def __init__(self, index: ApproximatePrefixIndex) -> None:
+        self._index = index
+        self._queries: dict[str, float] = {}
+
+    def observe(self, snapshot: Snapshot, configured: Collection[str]) -> list[str]:
+        """Compare with the last observation; forget removed or restarted endpoints."""
+        forgotten = [a for a in self._queries if a not in configured]
+        for address in forgotten:
+            del self._queries[address]
+        for address, state in snapshot.endpoints.items():
+            if address not in configured or state.scraped_at <= 0:
+                continue
+            queries = state.metrics.prefix_cache_queries
+            last = self._queries.get(address)
+            if last is not None and queries < last:
+                log.info("endpoint %s restarted (prefix cache counters reset)", address)
+                forgotten.append(address)
+            self._queries[address] = queries
+        for address in forgotten:
+            self._index.forget(address)
+        return forgotten

@@ -1,0 +1,68 @@
+"""Keep a long prompt away from replicas whose KV cache has no room for it.
+
+A replica that cannot fit a prompt's KV blocks queues it, or preempts running requests to make
+room, while another replica could start it at once. The filter estimates the blocks the request
+needs on each endpoint, its prompt tokens minus those the approximate prefix index says are
+cached there, in the endpoint's ``block_size``, and compares them with the endpoint's free
+blocks, ``(1 - kv_usage) * (num_gpu_blocks - 1)`` (vLLM reserves one null block). Endpoints that
+cannot fit the prompt are dropped, unless none can (the engine queues it then; refusing would be
+worse). Endpoints whose cache geometry is not known yet are kept.
+
+Only the prompt is counted: output grows one block per ``block_size`` tokens and the engine
+preempts to make room later, which is what the load scorers weigh. Cached blocks come from the
+same prefix match the ``prefix-cache-scorer`` uses; give both the same hashing parameters.
+No GIE equivalent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from epp.prefix.hashing import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_BLOCKS,
+    BlockHasher,
+)
+from epp.request import InferenceRequest
+from epp.scheduling.framework import Cycle, Filter, register
+from epp.scheduling.scorers.prefix import prefix_match
+from epp.state.snapshot import EndpointMetrics, EndpointState
+
+
+@register("kv-headroom-filter")
+class KvHeadroomFilter(Filter):
+    def __init__(
+        self,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
+        self.hasher = BlockHasher(block_chars, block_size, max_blocks)
+
+    def filter(
+        self, request: InferenceRequest, candidates: list[EndpointState], cycle: Cycle
+    ) -> list[EndpointState]:
+        prompt = request.prompt_tokens()
+        room = [_free_tokens(c.metrics) for c in candidates]
+        # Most prompts fit everywhere even uncached: decide those without hashing the prompt.
+        if prompt <= min(room, default=math.inf):
+            return candidates
+        cached = prefix_match(request, candidates, cycle, self.hasher).cached_tokens
+        fits = zip(candidates, room, strict=True)
+        kept = [c for c, free in fits if prompt - cached[c.address] <= free]
+        return kept or candidates
+
+
+def _free_tokens(metrics: EndpointMetrics) -> float:
+    """Tokens the endpoint's free KV blocks hold (infinite while its cache geometry is unknown).
+
+    ``tokens <= free_blocks * block_size`` is the same test as ``ceil(tokens / block_size) <=
+    free_blocks``: a partly filled last block takes a whole block.
+    """
+    if not metrics.block_size or not metrics.num_gpu_blocks:
+        return math.inf
+    # vLLM reports usage as used / (num_gpu_blocks - 1): one block is its reserved null block.
+    # Rounding recovers the integer count of free blocks from the ratio.
+    free_blocks = round((1.0 - metrics.kv_usage) * (metrics.num_gpu_blocks - 1))
+    return free_blocks * metrics.block_size

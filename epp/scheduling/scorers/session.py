@@ -1,0 +1,51 @@
+"""Send a session's requests back to the endpoint its previous request went to.
+
+A multi-turn conversation's next request repeats the previous turns, whose KV blocks sit on the
+replica that served them. The prefix scorer finds that too, but only for prompts it could hash
+the same way; a session id (header ``request.session_header``, llm-d's ``x-session-token``) names
+the conversation directly, whatever the prompt looks like (tools, images, token ids).
+
+Stickiness must not outlive its benefit: a binding expires ``ttl_seconds`` after the session's
+last request, and it is ignored (then replaced by wherever this request goes) when its endpoint
+is no longer a candidate (unready or filtered out) or is overloaded: ``max_waiting`` requests
+queued or ``max_kv_usage`` of its KV cache in use, where waiting behind others would cost more
+than the cache saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epp.request import InferenceRequest
+from epp.scheduling.framework import Cycle, PostPick, Scorer, register
+from epp.state.snapshot import EndpointState
+
+
+@register("session-affinity-scorer")
+class SessionAffinityScorer(Scorer, PostPick):
+    """1.0 for the session's current endpoint, 0.0 elsewhere (and everywhere without a session)."""
+
+    def __init__(
+        self, ttl_seconds: float = 300.0, max_waiting: int = 5, max_kv_usage: float = 0.95
+    ) -> None:
+        if ttl_seconds <= 0 or max_waiting <= 0 or not 0 < max_kv_usage <= 1:
+            raise ValueError("need ttl_seconds > 0, max_waiting > 0 and 0 < max_kv_usage <= 1")
+        self.ttl = ttl_seconds
+        self.max_waiting = max_waiting
+        self.max_kv_usage = max_kv_usage
+
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+    ) -> list[float]:
+        bound = None
+        if request.session is not None:
+            bound = cycle.fleet.sessions.get(request.session, cycle.now)
+        return [1.0 if c.address == bound and self._usable(c) else 0.0 for c in candidates]
+
+    def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None:
+        if request.session is not None:
+            cycle.fleet.sessions.bind(request.session, endpoint.address, cycle.now, self.ttl)
+
+    def _usable(self, endpoint: EndpointState) -> bool:
+        metrics = endpoint.metrics
+        return metrics.waiting < self.max_waiting and metrics.kv_usage < self.max_kv_usage

@@ -1,0 +1,54 @@
+"""Where each client session last went, so its next request can follow (session affinity).
+
+A conversation's next turn reuses the KV cache its previous turn left on one replica; the
+session scorer reads this table to send it back there. The table is bounded: sessions expire
+after their TTL (refreshed on every request) and, past ``max_sessions``, the least recently used
+are dropped first, so a flood of one-off session ids cannot grow memory without limit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+DEFAULT_MAX_SESSIONS = 100_000
+
+
+class _Binding(NamedTuple):
+    endpoint: str
+    expires_at: float
+
+
+class SessionTable:
+    """Session id -> endpoint with expiry; oldest binding first (an LRU)."""
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        if max_sessions <= 0:
+            raise ValueError("max_sessions must be > 0")
+        self.max_sessions = max_sessions
+        self._bindings: OrderedDict[str, _Binding] = OrderedDict()
+
+    def get(self, session: str, now: float) -> str | None:
+        """The endpoint ``session`` is bound to, or None if unknown or expired."""
+        binding = self._bindings.get(session)
+        if binding is None:
+            return None
+        if binding.expires_at <= now:
+            del self._bindings[session]
+            return None
+        return binding.endpoint
+
+    def bind(self, session: str, endpoint: str, now: float, ttl: float) -> None:
+        """(Re)bind ``session`` to ``endpoint`` until ``now + ttl``."""
+        bindings = self._bindings
+        bindings[session] = _Binding(endpoint, now + ttl)
+        bindings.move_to_end(session)
+        # Refreshing moves a binding to the end, so with one TTL the front expires first: expired
+        # bindings are cleared here at O(1) amortised cost instead of by a sweeper task.
+        while bindings and (
+            len(bindings) > self.max_sessions or next(iter(bindings.values())).expires_at <= now
+        ):
+            bindings.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._bindings)

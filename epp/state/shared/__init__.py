@@ -1,0 +1,16 @@
+"""Active-active epp: several processes act as one picker by sharing state through Redis.
+
+- :mod:`~epp.state.shared.connect`: standalone, Sentinel or Cluster Redis from one URL.
+- :mod:`~epp.state.shared.keys`: the key schema (all keys in one Cluster slot).
+- :mod:`epp.sources.lease`: each endpoint scraped by one process of the group.
+- :mod:`~epp.state.shared.loads`: in-flight counts summed over the group.
+- :mod:`~epp.state.shared.picks`: routing decisions (prefix blocks, sessions) replayed by all.
+- :mod:`~epp.state.shared.sync`: the loop that drives the first three every scrape interval.
+
+Endpoint states travel through :class:`~epp.state.redis_store.RedisStore`. The precise prefix
+index needs nothing from here: each process subscribes to every engine's KV events itself (ZMQ
+PUB fans out to any number of subscribers), so all of them see the same events.
+
+Import from the submodules: :mod:`epp.sources.lease` builds on the key schema here, so this
+package imports nothing itself.
+"""

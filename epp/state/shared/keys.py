@@ -1,0 +1,43 @@
+"""Every Redis key the epp processes of one group share, in one place.
+
+``prefix`` is ``store.key_prefix`` as a hash tag (``{epp}``, see
+:func:`~epp.state.shared.connect.hash_tag`), so all keys hash to one Cluster slot.
+
+==============================  ========  =====================================================
+key                             type      written by / lifetime
+==============================  ========  =====================================================
+``{p}:ep:<host:port>``          string    endpoint state JSON (RedisStore); PX 5 s, rewritten
+                                          by the lease owner on every change
+``{p}:lease:<host:port>``       string    id of the process that scrapes the endpoint;
+                                          ``SET NX PX`` 3 intervals, renewed every interval
+``{p}:members``                 zset      process id -> Redis time (ms) of its last tick;
+                                          older than the lease TTL is pruned; key PX lease TTL
+``{p}:load:<process id>``       hash      endpoint -> "requests tokens" the process has in
+                                          flight; PX 10 intervals (a dead process's expire)
+``{p}:picks``                   stream    one entry per prefix-index insertion or session
+                                          binding; ``MAXLEN ~ 4096``, PX 1 h after the last
+==============================  ========  =====================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str
+
+    def lease(self, address: str) -> str:
+        return f"{self.prefix}:lease:{address}"
+
+    @property
+    def members(self) -> str:
+        return f"{self.prefix}:members"
+
+    def load(self, member: str) -> str:
+        return f"{self.prefix}:load:{member}"
+
+    @property
+    def picks(self) -> str:
+        return f"{self.prefix}:picks"

@@ -1,0 +1,211 @@
+"""What each epp process learns from its picks, replayed by the others through a Redis stream.
+
+A prefix-aware picker remembers which endpoint probably caches which prompt blocks
+(:class:`~epp.prefix.approximate.ApproximatePrefixIndex`) and where each session went
+(:class:`~epp.state.sessions.SessionTable`), learned from its own routing. With several epp
+processes behind one gateway each would learn only from the requests it happened to handle, and
+the requests of one prefix group would scatter over replicas. So each process ships what its
+picks added to those tables to the stream ``{p}:picks`` (``XADD ... MAXLEN ~ 4096``), and every
+other process applies it to its own tables.
+
+The tables keep their local additions in a bounded "recent" buffer (``take_recent()``) and
+accept other processes' with ``apply()``, which does not record them again; this module only
+moves items. The request path does no I/O: the shipper collects every ``linger`` (5 ms) and
+sends what accumulated in one pipeline; readers wait in ``XREAD BLOCK``, so an addition reaches
+the other processes a few milliseconds after the pick, well within a scrape interval. With
+``poll_interval`` both sides work once per interval instead (for Redis proxies that do not
+support blocking commands); an addition then takes up to two intervals.
+
+A starting process reads the stream from its beginning, so its tables start warm with the last
+few thousand additions of the group. While Redis is unreachable additions wait (the newest
+``backlog`` of them) and are sent when it returns.
+
+Each entry holds one field ``d``: msgpack ``[origin id, wall time shipped, channel, item]``,
+where the item is the table's tuple (e.g. ``Insertion``) as a list. One entry per item keeps
+the memory bound simple: MAXLEN items of at most 256 block hashes, ~10 MB worst case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+
+from epp.observability import SHARED_PICK_DELAY, SHARED_PICKS
+from epp.state.shared.keys import Keys
+
+log = logging.getLogger(__name__)
+
+# Entries per XREAD; a longer backlog (a fresh process replaying history) takes several reads.
+_READ_COUNT = 512
+# XREAD BLOCK timeout: bounds how long stop() waits if a cancellation is swallowed (redis-py
+# on Python 3.11); must stay below the socket timeout.
+_BLOCK_MS = 200
+_MAX_BACKOFF = 1.0
+# The stream outlives its writers by this much, then goes: a group stopped for an hour restarts
+# cold anyway (engines evict, sessions expire), and Redis keeps nothing forever.
+_STREAM_TTL_MS = 3_600_000
+
+
+class Replicated(Protocol):
+    """A table whose local additions are shipped and whose ``apply`` takes the others'."""
+
+    def take_recent(self) -> list[Any]: ...
+
+    def apply(self, batch: Iterable[Any]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """One replicated table: its tag in stream entries and how to rebuild its items."""
+
+    tag: str
+    table: Replicated
+    item: Callable[..., Any]
+
+
+class PickStream:
+    """Shipper and reader of one process's replicated tables."""
+
+    def __init__(
+        self,
+        client: Any,
+        keys: Keys,
+        me: str,
+        channels: Sequence[Channel],
+        *,
+        maxlen: int = 4096,
+        backlog: int = 4096,
+        linger: float = 0.005,
+        poll_interval: float | None = None,
+        retry_interval: float = 0.05,
+    ) -> None:
+        self._client = client
+        self._key = keys.picks
+        self._me = me
+        self._channels = {c.tag: c for c in channels}
+        self._maxlen = maxlen
+        self._backlog = backlog
+        # Encoded entries not yet in Redis, oldest first.
+        self._pending: deque[bytes] = deque()
+        self._linger = poll_interval if poll_interval is not None else linger
+        self._poll = poll_interval
+        self._retry = retry_interval
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._started_at = 0.0
+        self._apply_failed = False
+
+    async def start(self) -> None:
+        if not self._tasks:
+            self._stopping = False
+            self._started_at = time.time()
+            self._tasks = [
+                asyncio.create_task(self._ship_loop(), name="epp-picks-ship"),
+                asyncio.create_task(self._read_loop(), name="epp-picks-read"),
+            ]
+
+    async def stop(self) -> None:
+        # The flag ends the loops even if redis-py swallows the cancellation (see redis_store).
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _ship_loop(self) -> None:
+        backoff = self._retry
+        while not self._stopping:
+            await asyncio.sleep(self._linger)
+            self._collect()
+            if not self._pending:
+                continue
+            try:
+                await self._ship()
+            except Exception as exc:  # any failure: keep the entries, retry later
+                log.debug("cannot ship picks: %s", exc)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                continue
+            backoff = self._retry
+
+    def _collect(self) -> None:
+        now = time.time()
+        for tag, channel in self._channels.items():
+            for item in channel.table.take_recent():
+                self._pending.append(msgpack.packb([self._me, now, tag, list(item)]))
+        overflow = len(self._pending) - self._backlog
+        if overflow > 0:  # Redis has been away for a while: the oldest matter least
+            SHARED_PICKS.labels("dropped").inc(overflow)
+            for _ in range(overflow):
+                self._pending.popleft()
+
+    async def _ship(self) -> None:
+        batch = list(self._pending)
+        async with self._client.pipeline(transaction=False) as pipe:
+            for entry in batch:
+                pipe.xadd(self._key, {"d": entry}, maxlen=self._maxlen, approximate=True)
+            pipe.pexpire(self._key, _STREAM_TTL_MS)
+            await pipe.execute()
+        # Only now: a failed pipeline leaves them pending, in order.
+        for _ in batch:
+            self._pending.popleft()
+        SHARED_PICKS.labels("sent").inc(len(batch))
+
+    async def _read_loop(self) -> None:
+        # From the beginning: a fresh process replays what the stream holds to warm up.
+        last: bytes | str = "0-0"
+        backoff = self._retry
+        block = None if self._poll is not None else _BLOCK_MS
+        while not self._stopping:
+            try:
+                reply = await self._client.xread({self._key: last}, count=_READ_COUNT, block=block)
+            except Exception as exc:  # Redis down or failing over: retry with backoff
+                log.debug("cannot read picks: %s", exc)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                continue
+            backoff = self._retry
+            entries = reply[0][1] if reply else []
+            if entries:
+                last = entries[-1][0]
+                self._apply(fields for _id, fields in entries)
+            if self._poll is not None and len(entries) < _READ_COUNT:
+                await asyncio.sleep(self._poll)
+
+    def _apply(self, entries: Iterable[dict[bytes, bytes]]) -> None:
+        batches: dict[str, list[Any]] = {}
+        now = time.time()
+        for fields in entries:
+            try:
+                origin, shipped, tag, raw = msgpack.unpackb(fields[b"d"])[:4]
+                if origin == self._me:
+                    continue
+                channel = self._channels.get(tag)
+                if channel is None:  # a table this process does not keep
+                    continue
+                batches.setdefault(tag, []).append(channel.item(*raw))
+            except (KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
+                SHARED_PICKS.labels("rejected").inc()
+                log.debug("ignoring an unreadable pick entry: %s", exc)
+                continue
+            if shipped >= self._started_at:  # replayed history would skew the histogram
+                SHARED_PICK_DELAY.observe(max(0.0, now - shipped))
+        for tag, batch in batches.items():
+            try:
+                self._channels[tag].table.apply(batch)
+            except Exception:
+                # A bug in a table must not stop sharing; say so once, with the traceback.
+                SHARED_PICKS.labels("rejected").inc(len(batch))
+                if not self._apply_failed:
+                    log.exception("cannot apply %s entries from other epp processes", tag)
+                    self._apply_failed = True
+                continue
+            SHARED_PICKS.labels("applied").inc(len(batch))

@@ -1,0 +1,199 @@
+"""The background loop that makes a group of epp processes act as one picker.
+
+Every scrape interval one pipeline (one round trip) renews this process's scrape leases and
+group membership (:mod:`epp.sources.lease`), publishes its in-flight counts and reads the other
+members' (:mod:`epp.state.shared.loads`). What picks teach the prefix index and the session
+table travels separately, within milliseconds (:mod:`epp.state.shared.picks`). Endpoint states
+themselves are shared by the state store (:class:`~epp.state.redis_store.RedisStore`), which
+this loop does not touch.
+
+Redis is an accelerator of agreement, not a dependency of availability: when a tick fails the
+process scrapes every endpoint itself, counts only its own in-flight work, keeps its picks in
+the outbox and routes on, logging once; the first tick that succeeds again takes up leases,
+republishes counts and ships the outbox (also logged once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import socket
+from collections.abc import Iterable
+
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from epp.observability import SHARED_INFLIGHT, SHARED_MEMBERS
+from epp.prefix.approximate import Insertion
+from epp.sources.lease import Leases
+from epp.state.fleet import FleetState
+from epp.state.shared.connect import connect, hash_tag
+from epp.state.shared.keys import Keys
+from epp.state.shared.loads import encode, total
+from epp.state.shared.picks import Channel, PickStream
+from epp.state.shared.sessions import Binding, SharedSessionTable
+
+log = logging.getLogger(__name__)
+
+_SOCKET_TIMEOUT = 1.0
+_MAX_BACKOFF = 1.0
+# A lease outlives this many missed renewals: a dead owner is replaced within about
+# LEASE_INTERVALS + 1 intervals, and a process whose tick is late by less keeps its leases.
+LEASE_INTERVALS = 3
+# In-flight counts are kept longer: dropping a slow process's counts would herd traffic.
+LOAD_INTERVALS = 10
+
+
+class SharedState:
+    """Scrape leases, shared in-flight counts and replicated routing memory for one process.
+
+    ``fleet``'s in-flight tracker gets the other processes' counts as ``remote``; its prefix
+    index, and its session table if it is a :class:`SharedSessionTable` (a plain one stays
+    local), exchange their additions with the other processes.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fleet: FleetState,
+        *,
+        key_prefix: str = "epp",
+        interval: float = 0.05,
+        poll_picks: bool = False,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("interval must be > 0")
+        self._client = connect(
+            url,
+            socket_timeout=_SOCKET_TIMEOUT,
+            socket_connect_timeout=_SOCKET_TIMEOUT,
+            # As in RedisStore: one immediate retry for a stale pooled connection; longer
+            # waits are this loop's backoff.
+            retry=Retry(NoBackoff(), 1),
+        )
+        # Unique across restarts and machines; readable in redis-cli.
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.keys = Keys(hash_tag(key_prefix))
+        self.leases = Leases(self.keys, self.me, LEASE_INTERVALS * interval)
+        self._inflight = fleet.inflight
+        self._interval = interval
+        self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
+        channels = [Channel("prefix", fleet.prefix, Insertion)]
+        if isinstance(fleet.sessions, SharedSessionTable):
+            channels.append(Channel("sessions", fleet.sessions, Binding))
+        self._picks = PickStream(
+            self._client,
+            self.keys,
+            self.me,
+            channels,
+            poll_interval=interval if poll_picks else None,
+            retry_interval=interval,
+        )
+        self._members: list[str] = []
+        self._up: bool | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def owns(self, address: str) -> bool:
+        """Whether this process scrapes ``address`` (the scraper asks before each scrape)."""
+        return self.leases.owns(address)
+
+    def set_endpoints(self, addresses: Iterable[str]) -> None:
+        self.leases.set_endpoints(addresses)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="epp-shared-sync")
+            await self._picks.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self._picks.stop()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+            if self._up:
+                await self._leave()
+        await self._client.aclose()
+
+    async def _leave(self) -> None:
+        """Free this process's leases and counts now rather than when they expire."""
+        try:
+            async with asyncio.timeout(_SOCKET_TIMEOUT):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    self.leases.queue_release(pipe)
+                    pipe.delete(self.keys.load(self.me))
+                    await pipe.execute()
+        except Exception as exc:  # best effort: the TTLs clean up anyway
+            log.debug("could not leave the group cleanly: %s", exc)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self._interval
+        next_at = loop.time()
+        # The flag, not only the cancellation, ends the loop (redis-py on Python 3.11 can
+        # swallow a cancellation; see RedisStore._run).
+        while not self._stopping:
+            try:
+                await self._tick()
+            except Exception as exc:  # whatever failed, this tick is lost; the loop survives
+                self._set_up(False, exc)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                next_at = loop.time()
+                continue
+            self._set_up(True)
+            backoff = self._interval
+            next_at = max(next_at + self._interval, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+
+    async def _tick(self) -> None:
+        others = [m for m in self._members if m != self.me]
+        local = self._inflight.local()
+        fields = encode(local)
+        own = self.keys.load(self.me)
+        async with self._client.pipeline(transaction=False) as pipe:
+            order = self.leases.queue(pipe)
+            if fields:
+                pipe.hset(own, mapping=fields)
+                pipe.pexpire(own, self._load_ttl_ms)
+            for member in others:
+                pipe.hgetall(self.keys.load(member))
+            results = await pipe.execute()
+        self._members = self.leases.apply(order, results[0])
+        remote = total(results[len(results) - len(others) :] if others else [])
+        self._inflight.remote = remote
+        SHARED_MEMBERS.set(len(self._members))
+        for address in {*local, *remote}:
+            for origin, loads in (("local", local), ("remote", remote)):
+                load = loads.get(address)
+                SHARED_INFLIGHT.labels(address, origin).set(load.requests if load else 0)
+
+    def _set_up(self, up: bool, exc: Exception | None = None) -> None:
+        if not up:
+            # Local-only from now on: nothing confirms leases or other processes' counts.
+            self.leases.suspend()
+            self._inflight.remote = {}
+            self._members = []
+            SHARED_MEMBERS.set(1)
+        if up == self._up:
+            return
+        if up:
+            log.info(
+                "%s: %d epp processes share state, this one scrapes %d endpoints",
+                "shared state resumed" if self._up is False else "shared state connected",
+                len(self._members),
+                len(self.leases.owned() or ()),
+            )
+        elif not up:
+            log.warning(
+                "shared state unavailable (%s): scraping every endpoint from this process and "
+                "routing on local counts until redis answers",
+                str(exc) or type(exc).__name__,
+            )
+        self._up = up

@@ -1,0 +1,1 @@
+"""Precise prefix cache: KV-event subscriber, index, tokenization and scorer."""

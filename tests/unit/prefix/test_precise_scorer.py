@@ -1,0 +1,129 @@
+"""precise-prefix-cache-scorer: engine-reported matches, published data, speculative picks."""
+
+from __future__ import annotations
+
+from epp.request import InferenceRequest
+from epp.scheduling import Cycle, Profile, create_plugin
+from epp.scheduling.pickers.max_score import MaxScorePicker
+from epp.scheduling.scorers.precise_prefix import (
+    CACHED_TOKENS_KEY,
+    TOKEN_IDS_KEY,
+    PrecisePrefixCacheScorer,
+)
+from epp.sim.tokenization import BUNDLED_DIR
+from epp.state import EndpointMetrics, EndpointState, Snapshot
+from epp.state.fleet import FleetState
+
+BS = 16
+PROMPT = tuple(range(1000, 1000 + 10 * BS))  # 10 full blocks
+
+
+def ep(address: str, block_size: int | None = BS) -> EndpointState:
+    return EndpointState(address, "pool", True, EndpointMetrics(block_size=block_size), 1.0)
+
+
+def req(
+    tokens: tuple[int, ...] | None = PROMPT, prompt: str = "", model: str = "tiny"
+) -> InferenceRequest:
+    return InferenceRequest("id", "/v1/completions", "completions", model, prompt, tokens)
+
+
+def cycle(fleet: FleetState, now: float = 100.0) -> Cycle:
+    return Cycle(Snapshot(), fleet, now=now)
+
+
+def engine_stores(fleet: FleetState, endpoint: str, tokens: tuple[int, ...], n_blocks: int) -> None:
+    """What the engine's BlockStored would make the subscriber do (hashes are arbitrary)."""
+    hashes = [hash((endpoint, i)) & (2**64 - 1) for i in range(n_blocks)]
+    fleet.precise.stored(endpoint, hashes, None, tokens[: n_blocks * BS], BS)
+
+
+def test_score_is_engine_cached_blocks_over_full_blocks_and_tokens_are_published() -> None:
+    fleet = FleetState()
+    engine_stores(fleet, "a", PROMPT, 10)
+    engine_stores(fleet, "b", PROMPT, 4)
+    c = cycle(fleet)
+    scores = PrecisePrefixCacheScorer().score(req(), [ep("a"), ep("b"), ep("c")], c)
+    assert scores == [1.0, 0.4, 0.0]
+    assert c.data[TOKEN_IDS_KEY] == PROMPT
+    # A full hit still recomputes the prompt's last block (vLLM caps hits at length - 1).
+    assert c.data[CACHED_TOKENS_KEY] == {"a": 9 * BS, "b": 4 * BS, "c": 0}
+
+
+def test_each_endpoint_is_cut_in_its_own_block_size() -> None:
+    fleet = FleetState()
+    tokens = PROMPT[: 4 * 32]
+    fleet.precise.stored("big", [1, 2], None, tokens[:64], 32)
+    engine_stores(fleet, "small", tokens, 8)
+    # "big" is not scraped yet: its events told the index its block size.
+    scores = PrecisePrefixCacheScorer().score(
+        req(tokens), [ep("big", block_size=None), ep("small")], cycle(fleet)
+    )
+    assert scores == [0.5, 1.0]
+
+
+def test_unknown_block_size_or_tokens_score_zero_and_publish_nothing() -> None:
+    fleet = FleetState()
+    c = cycle(fleet)
+    assert PrecisePrefixCacheScorer().score(req(), [ep("new", block_size=None)], c) == [0.0]
+    assert c.data[CACHED_TOKENS_KEY] == {}
+    # No tokenizer configured for the model: no token ids, so no claim about any endpoint.
+    c = cycle(fleet)
+    assert PrecisePrefixCacheScorer().score(req(None, "some text"), [ep("a")], c) == [0.0]
+    assert CACHED_TOKENS_KEY not in c.data
+    assert TOKEN_IDS_KEY not in c.data
+
+
+def test_text_prompts_are_tokenized_with_the_models_tokenizer() -> None:
+    fleet = FleetState()
+    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    request = req(None, text)
+    ids = fleet.tokenizers.token_ids(request)
+    assert ids is not None
+    assert ids[0] == 0  # BOS, as vLLM adds for completions
+    engine_stores(fleet, "a", tuple(ids), len(ids) // BS)
+    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [1.0]
+
+
+def test_pick_adds_speculative_entries_until_the_ttl() -> None:
+    fleet = FleetState()
+    engine_stores(fleet, "a", PROMPT, 3)
+    scorer = PrecisePrefixCacheScorer(speculative_ttl=2.0)
+    profile = Profile("p", [], [(scorer, 1.0)], MaxScorePicker(seed=1), [scorer])
+    first = profile.run(req(), [ep("a"), ep("b")], cycle(fleet, now=100.0), 1)
+    assert first.endpoints[0].address == "a"
+    # Before the engine reports the prefill, the same prompt goes where the first one went.
+    assert scorer.score(req(), [ep("a"), ep("b")], cycle(fleet, now=101.0)) == [1.0, 0.0]
+    assert scorer.score(req(), [ep("a"), ep("b")], cycle(fleet, now=102.5)) == [0.3, 0.0]
+
+
+def test_zero_ttl_disables_speculation() -> None:
+    fleet = FleetState()
+    scorer = PrecisePrefixCacheScorer(speculative_ttl=0)
+    c = cycle(fleet)
+    scorer.score(req(), [ep("a")], c)
+    scorer.on_pick(req(), ep("a"), c)
+    assert scorer.score(req(), [ep("a")], cycle(fleet)) == [0.0]
+
+
+def test_max_blocks_caps_the_work_on_huge_prompts() -> None:
+    fleet = FleetState()
+    engine_stores(fleet, "a", PROMPT, 2)
+    scorer = create_plugin("precise-prefix-cache-scorer", "p", {"max_blocks": 4})
+    assert isinstance(scorer, PrecisePrefixCacheScorer)
+    assert scorer.score(req(), [ep("a")], cycle(fleet)) == [0.5]
+
+
+def test_token_ids_outside_the_vocabulary_range_match_nothing() -> None:
+    fleet = FleetState()
+    assert PrecisePrefixCacheScorer().score(req((-5,) * 32), [ep("a")], cycle(fleet)) == [0.0]
+
+
+def test_lora_requests_match_their_adapters_blocks() -> None:
+    fleet = FleetState()
+    fleet.precise.stored("a", [1, 2], None, PROMPT[:32], BS, lora="ad", extra_keys=[["ad"]] * 2)
+    request = req()
+    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.0]
+    request.lora = "ad"
+    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.2]

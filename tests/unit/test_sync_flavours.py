@@ -1,0 +1,163 @@
+"""The shared keys on every Redis flavour epp supports: AUTH + TLS, Sentinel (with a failover)
+and a three-master Cluster. Each test starts its own ``redis-server`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from epp.state.fleet import FleetState
+from epp.state.redis_store import RedisStore
+from epp.state.shared.connect import connect, hash_tag
+from epp.state.shared.sessions import SharedSessionTable
+from epp.state.shared.sync import SharedState
+from epp.state.snapshot import EndpointState
+from tests.helpers import redis_servers
+
+TICK = 0.02
+ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(4)]
+
+pytestmark = pytest.mark.skipif(not redis_servers.available(), reason="redis-server not installed")
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 5.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Member:
+    """One process's shared pieces: endpoint-state store, fleet, sync loop."""
+
+    def __init__(self, url: str) -> None:
+        self.store = RedisStore(url, key_prefix=hash_tag("epp"), refresh_interval=TICK)
+        self.fleet = FleetState(self.store, sessions=SharedSessionTable())
+        self.shared = SharedState(url, self.fleet, key_prefix="epp", interval=TICK)
+
+    async def start(self) -> Member:
+        await self.store.start()
+        await self.store.retain(ENDPOINTS)
+        self.shared.set_endpoints(ENDPOINTS)
+        await self.shared.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.shared.stop()
+        await self.store.stop()
+
+
+@pytest.fixture
+async def members() -> AsyncIterator[Callable[[str], Member]]:
+    made: list[Member] = []
+
+    def make(url: str) -> Member:
+        member = Member(url)
+        made.append(member)
+        return member
+
+    yield make
+    for member in made:
+        await member.stop()
+
+
+async def exercise(a: Member, b: Member, tag: int) -> None:
+    """Everything the group shares works between ``a`` and ``b``."""
+
+    def spread() -> bool:
+        owned = [m.shared.leases.owned() for m in (a, b)]
+        return all(o is not None and len(o) == 2 for o in owned) and set().union(*owned) == set(
+            ENDPOINTS
+        )
+
+    await eventually(spread, what="leases spread 2 + 2")
+    a.fleet.prefix.insert(ENDPOINTS[0], [tag, tag + 1], 100)
+    a.fleet.sessions.bind(f"s{tag}", ENDPOINTS[1], time.time(), 60)
+    ticket = a.fleet.inflight.add(ENDPOINTS[2], 5)
+    state = EndpointState(ENDPOINTS[3], "pool", True, scraped_at=time.time() + tag)
+    await a.store.put_endpoint(state)
+    await eventually(
+        lambda: b.fleet.prefix.match([tag, tag + 1], [ENDPOINTS[0]])[ENDPOINTS[0]] == 2,
+        what="prefix insertion",
+    )
+    await eventually(
+        lambda: b.fleet.sessions.get(f"s{tag}", time.time()) == ENDPOINTS[1], what="session"
+    )
+    await eventually(lambda: b.fleet.inflight.load(ENDPOINTS[2]).requests == 1, what="load")
+    await eventually(lambda: b.store.snapshot().get(ENDPOINTS[3]) == state, what="state")
+    a.fleet.inflight.release(ticket)
+
+
+@pytest.fixture
+def tls_auth_redis(tmp_path: Path) -> Iterator[tuple[redis_servers.RedisServer, Path]]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    try:
+        subprocess.run(
+            [
+                *("openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"),
+                *("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
+                *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key)),
+                *("-out", str(cert)),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    except FileNotFoundError:
+        pytest.skip("openssl not installed")
+    port = redis_servers.free_port()
+    server = redis_servers.RedisServer(
+        tmp_path / "redis",
+        *("--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"),
+        *("--tls-cert-file", str(cert), "--tls-key-file", str(key)),
+        *("--tls-ca-cert-file", str(cert), "--requirepass", "s3cret"),
+        port=port,
+    )
+    # RedisServer passes --port itself; the later --port 0 wins and disables plain TCP.
+    server.start()
+    yield server, cert
+    server.stop()
+
+
+async def test_tls_and_auth(tls_auth_redis, members) -> None:
+    server, cert = tls_auth_redis
+    url = f"rediss://:s3cret@127.0.0.1:{server.port}/0?ssl_ca_certs={cert}"
+    a, b = await members(url).start(), await members(url).start()
+    await exercise(a, b, 100)
+
+
+async def test_sentinel_and_a_failover(tmp_path: Path, members) -> None:
+    setup = await asyncio.to_thread(redis_servers.SentinelSetup(tmp_path).start)
+    try:
+        a, b = await members(setup.url).start(), await members(setup.url).start()
+        await exercise(a, b, 200)
+        await asyncio.to_thread(setup.failover)
+        # The old master is a replica now (read-only): clients must follow the Sentinel.
+        await exercise(a, b, 300)
+    finally:
+        await asyncio.to_thread(setup.stop)
+
+
+async def test_cluster_keeps_every_key_in_one_slot(tmp_path: Path, members) -> None:
+    cluster = await asyncio.to_thread(redis_servers.ClusterSetup(tmp_path).start)
+    client = connect(cluster.url)
+    try:
+        # First: a cluster client's first command reads the command table (~0.4 s of CPU
+        # without hiredis), which would starve the members' ticks and expire their leases.
+        await client.ping()
+        a, b = await members(cluster.url).start(), await members(cluster.url).start()
+        await exercise(a, b, 400)
+        keys = [k async for k in client.scan_iter(match="{epp}:*")]
+        assert {k.split(b":")[1] for k in keys} >= {b"ep", b"lease", b"members", b"load"}
+        assert b"{epp}:picks" in keys
+        assert len({await client.cluster_keyslot(k) for k in keys}) == 1
+    finally:
+        await client.aclose()
+        await asyncio.to_thread(cluster.stop)

@@ -1,0 +1,184 @@
+"""Scrape leases and group membership against a real Redis.
+
+Several :class:`SharedState` objects in one event loop stand for several epp processes (each
+has its own client and id). Tests use the server at 127.0.0.1:6379 under a random key prefix;
+the outage test starts its own ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.exceptions
+from prometheus_client import REGISTRY
+from redis.asyncio import Redis
+
+from epp.state.fleet import FleetState
+from epp.state.shared.sync import SharedState
+from tests.helpers import redis_servers
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+TICK = 0.02
+ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(7)]
+
+Group = Callable[..., Awaitable[SharedState]]
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
+) -> float:
+    """Seconds until ``condition`` held; fails after ``within``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    client = Redis.from_url(SHARED_URL)
+    try:
+        await client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        await client.aclose()
+        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
+    name = f"epp-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def group(prefix: str) -> AsyncIterator[Group]:
+    """Start members of one group; all are stopped at the end."""
+    members: list[SharedState] = []
+
+    async def start(url: str = SHARED_URL, interval: float = TICK) -> SharedState:
+        member = SharedState(url, FleetState(), key_prefix=prefix, interval=interval)
+        member.set_endpoints(ENDPOINTS)
+        await member.start()
+        members.append(member)
+        return member
+
+    yield start
+    for member in members:
+        await member.stop()
+
+
+def owners(members: list[SharedState]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {e: [] for e in ENDPOINTS}
+    for m in members:
+        for e in m.leases.owned() or ():
+            out[e].append(m.me)
+    return out
+
+
+def exactly_one_owner_each(members: list[SharedState]) -> bool:
+    """Every member holds confirmed leases and every endpoint has one owner."""
+    return all(m.leases.owned() is not None for m in members) and all(
+        len(o) == 1 for o in owners(members).values()
+    )
+
+
+def shares(members: list[SharedState]) -> list[int]:
+    return sorted(len(m.leases.owned() or ()) for m in members)
+
+
+async def test_a_lone_process_holds_every_lease(group: Group) -> None:
+    a = await group()
+    await eventually(lambda: a.leases.owned() == frozenset(ENDPOINTS), what="all leases")
+    assert all(a.owns(e) for e in ENDPOINTS)
+
+
+async def test_leases_spread_to_fair_shares_and_never_overlap(group: Group) -> None:
+    # The default scrape interval: a lease survives a tick late by up to 100 ms (this machine
+    # may be busy), so leases must not move once shared out.
+    interval = 0.05
+    members = [await group(interval=interval)]
+    await eventually(lambda: exactly_one_owner_each(members))
+    # 7 endpoints over n processes: shares differ by at most one and add up to 7.
+    for expected in ([3, 4], [2, 2, 3]):
+        members.append(await group(interval=interval))
+        await eventually(
+            lambda want=expected: exactly_one_owner_each(members) and shares(members) == want,
+            what=f"shares {expected}",
+        )
+    # Stable: nothing moves between ticks once shared out.
+    before = owners(members)
+    await asyncio.sleep(10 * interval)
+    assert owners(members) == before
+
+
+async def test_a_dead_owner_is_replaced_within_about_three_intervals(group: Group) -> None:
+    a, b = await group(), await group()
+    await eventually(lambda: exactly_one_owner_each([a, b]) and bool(a.leases.owned()))
+    # A crash: the loop stops without leaving the group (as if the process was SIGKILLed).
+    a._stopping = True
+    assert a._task is not None
+    a._task.cancel()
+    await asyncio.gather(a._task, return_exceptions=True)
+    took = await eventually(lambda: b.leases.owned() == frozenset(ENDPOINTS), what="takeover")
+    # Lease TTL is 3 ticks; b notices on its next tick. Generous for a loaded CI machine.
+    assert took < 8 * TICK
+
+
+async def test_a_clean_stop_hands_leases_over_at_once(group: Group) -> None:
+    a, b = await group(), await group()
+    await eventually(lambda: exactly_one_owner_each([a, b]) and bool(a.leases.owned()))
+    await a.stop()
+    took = await eventually(lambda: b.leases.owned() == frozenset(ENDPOINTS), what="handover")
+    assert took < 3 * TICK
+
+
+async def test_before_the_first_answer_nothing_is_owned(prefix: str) -> None:
+    member = SharedState(SHARED_URL, FleetState(), key_prefix=prefix, interval=TICK)
+    member.set_endpoints(ENDPOINTS)
+    assert not any(member.owns(e) for e in ENDPOINTS)
+    await member.stop()
+
+
+def _gauge(name: str) -> float | None:
+    return REGISTRY.get_sample_value(name)
+
+
+async def test_redis_outage_scrapes_everything_logs_once_and_recovers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, group: Group
+) -> None:
+    if not redis_servers.available():
+        pytest.skip("redis-server not installed")
+    caplog.set_level(logging.INFO, logger="epp.state.shared.sync")
+    server = redis_servers.RedisServer(tmp_path).start()
+    try:
+        a, b = await group(server.url), await group(server.url)
+        await eventually(lambda: exactly_one_owner_each([a, b]) and bool(a.leases.owned()))
+
+        server.kill()
+        # Both fall back to scraping everything themselves.
+        await eventually(lambda: a.leases.owned() is None and b.leases.owned() is None)
+        assert all(a.owns(e) and b.owns(e) for e in ENDPOINTS)
+        assert _gauge("epp_shared_leases") == len(ENDPOINTS)
+        await asyncio.sleep(0.5)  # many failed retries: still one warning per process
+
+        server.start()  # empty: the leases are gone and are taken afresh
+        await eventually(
+            lambda: exactly_one_owner_each([a, b]) and bool(a.leases.owned()),
+            within=5.0,
+            what="leases after restart",
+        )
+    finally:
+        server.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    resumed = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per process
+    assert all("scraping every endpoint" in w for w in warnings)
+    assert len(resumed) == 2

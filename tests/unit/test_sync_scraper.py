@@ -1,0 +1,202 @@
+"""Scraper + RedisStore + leases: one scrape per interval for the group, one view of readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis.exceptions
+from aiohttp import web
+from redis.asyncio import Redis
+
+from epp.sources.scraper import MetricsScraper
+from epp.state.fleet import FleetState
+from epp.state.redis_store import RedisStore
+from epp.state.shared.connect import hash_tag
+from epp.state.shared.sync import SharedState
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+TICK = 0.02
+PAGE = 'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
+) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - started
+
+
+class Replica:
+    """A /metrics endpoint that counts its scrapes and can be taken down."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def handle(self, _request: web.Request) -> web.Response:
+        self.scrapes += 1
+        return web.Response(text=PAGE)
+
+    async def start(self, port: int = 0) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Process:
+    """What one epp process runs for endpoint state: store, shared state, scraper."""
+
+    store: RedisStore
+    shared: SharedState
+    scraper: MetricsScraper
+
+    def ready(self, address: str) -> bool | None:
+        state = self.store.snapshot().get(address)
+        return None if state is None else state.ready
+
+    async def crash(self) -> None:
+        """Stop without leaving the group or releasing leases (SIGKILL-like)."""
+        await self.scraper.stop()
+        self.shared._stopping = True
+        assert self.shared._task is not None
+        self.shared._task.cancel()
+        await asyncio.gather(self.shared._task, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.scraper.stop()
+        await self.shared.stop()
+        await self.store.stop()
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    client = Redis.from_url(SHARED_URL)
+    try:
+        await client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        await client.aclose()
+        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
+    name = f"epp-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[Replica]:
+    r = Replica()
+    await r.start()
+    yield r
+    await r.stop()
+
+
+@pytest.fixture
+async def processes(prefix: str, replica: Replica) -> AsyncIterator[list[Process]]:
+    procs = []
+    for _ in range(2):
+        store = RedisStore(SHARED_URL, key_prefix=hash_tag(prefix), refresh_interval=TICK)
+        shared = SharedState(SHARED_URL, FleetState(store), key_prefix=prefix, interval=TICK)
+        scraper = MetricsScraper(store, interval=TICK, timeout=0.2, owns=shared.owns)
+        await store.start()
+        shared.set_endpoints([replica.address])
+        await shared.start()
+        scraper.set_endpoints({replica.address: "pool"})
+        await scraper.start()
+        procs.append(Process(store, shared, scraper))
+    yield procs
+    for p in procs:
+        await p.stop()
+
+
+def owner_and_follower(procs: list[Process], address: str) -> tuple[Process, Process]:
+    owner = next(p for p in procs if p.shared.leases.owned() == frozenset({address}))
+    return owner, next(p for p in procs if p is not owner)
+
+
+async def test_the_group_scrapes_each_endpoint_once_per_interval(
+    processes: list[Process], replica: Replica
+) -> None:
+    address = replica.address
+    await eventually(lambda: all(p.ready(address) for p in processes), what="both ready")
+    start, started = replica.scrapes, time.monotonic()
+    await asyncio.sleep(1.0)
+    rate = (replica.scrapes - start) / (time.monotonic() - started)
+    # One scraper at ~1/TICK = 50 per second; two would be ~100.
+    assert rate < 1.35 / TICK, f"{rate:.0f} scrapes/s"
+    states = [p.store.snapshot().get(address) for p in processes]
+    assert all(s is not None and s.metrics.running == 3 for s in states)
+
+
+async def test_a_follower_never_flaps_and_sees_the_owner_verdict(
+    processes: list[Process], replica: Replica
+) -> None:
+    address = replica.address
+    await eventually(lambda: all(p.ready(address) for p in processes), what="both ready")
+    owner, follower = owner_and_follower(processes, address)
+
+    # The follower cannot reach the replica (a partition). Before leases it scraped anyway and
+    # its failures flipped its view to unready between merges of the owner's fresher state.
+    async def unreachable(endpoint: Any, _session: object) -> None:
+        follower.scraper._failed(endpoint, "error", "partitioned")
+        await follower.scraper._publish(endpoint)
+
+    follower.scraper._scrape = unreachable  # type: ignore[method-assign]
+    seen = set()
+    for _ in range(100):
+        seen.add(follower.ready(address))
+        await asyncio.sleep(TICK / 2)
+    assert seen == {True}
+
+    # The replica dies: the owner's failures (scraped_at stands still) must win everywhere.
+    await replica.stop()
+    took = await eventually(lambda: follower.ready(address) is False, what="unready at follower")
+    assert owner.ready(address) is False
+    assert took < 1.0
+
+
+async def test_a_new_owner_continues_the_failure_count(
+    processes: list[Process], replica: Replica
+) -> None:
+    address = replica.address
+    await eventually(lambda: all(p.ready(address) for p in processes), what="both ready")
+    owner, follower = owner_and_follower(processes, address)
+    await replica.stop()
+    await eventually(lambda: follower.ready(address) is False, what="unready")
+    failures = follower.store.snapshot().get(address).failures  # type: ignore[union-attr]
+    await owner.crash()
+    await eventually(lambda: follower.shared.owns(address), what="takeover")
+    # The follower's scraper adopted the state: counting goes on, unready stays unready.
+    await eventually(
+        lambda: follower.store.snapshot().get(address).failures > failures + 2,  # type: ignore[union-attr]
+        what="failures counted by the new owner",
+    )
+    assert follower.ready(address) is False
+    await replica.start(replica.port)
+    await eventually(lambda: follower.ready(address) is True, what="ready again")

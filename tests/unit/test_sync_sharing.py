@@ -1,0 +1,164 @@
+"""In-flight counts and routing memory (prefix index, sessions) shared through a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.exceptions
+from redis.asyncio import Redis
+
+from epp.state.fleet import FleetState
+from epp.state.inflight import Load
+from epp.state.shared.sessions import SharedSessionTable
+from epp.state.shared.sync import LOAD_INTERVALS, SharedState
+from tests.helpers import redis_servers
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+TICK = 0.02
+E1, E2, E3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+Member = tuple[FleetState, SharedState]
+Group = Callable[..., Awaitable[Member]]
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
+) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.001)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    client = Redis.from_url(SHARED_URL)
+    try:
+        await client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        await client.aclose()
+        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
+    name = f"epp-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def group(prefix: str) -> AsyncIterator[Group]:
+    members: list[SharedState] = []
+
+    async def start(url: str = SHARED_URL, poll: bool = False) -> Member:
+        fleet = FleetState(sessions=SharedSessionTable())
+        member = SharedState(url, fleet, key_prefix=prefix, interval=TICK, poll_picks=poll)
+        member.set_endpoints([E1, E2, E3])
+        await member.start()
+        members.append(member)
+        return fleet, member
+
+    yield start
+    for member in members:
+        await member.stop()
+
+
+async def test_each_process_sees_the_others_in_flight_work(group: Group) -> None:
+    (fa, _), (fb, _) = await group(), await group()
+    ta = [fa.inflight.add(E1, 100), fa.inflight.add(E1, 50)]
+    fb.inflight.add(E2, 10)
+    await eventually(lambda: fb.inflight.load(E1) == Load(2, 150), what="a's load at b")
+    await eventually(lambda: fa.inflight.load(E2) == Load(1, 10), what="b's load at a")
+    assert fa.inflight.load(E1) == Load(2, 150), "own work must not be counted twice"
+    for ticket in ta:
+        fa.inflight.release(ticket)
+    await eventually(lambda: fb.inflight.load(E1) == Load(0, 0), what="released at b")
+
+
+async def test_a_dead_process_counts_expire_with_its_ttl(group: Group) -> None:
+    (fa, a), (fb, _) = await group(), await group()
+    fa.inflight.add(E1, 100)
+    await eventually(lambda: fb.inflight.load(E1).requests == 1)
+    a._stopping = True  # crash: no clean leave, the hash must expire by itself
+    assert a._task is not None
+    a._task.cancel()
+    await asyncio.gather(a._task, return_exceptions=True)
+    took = await eventually(lambda: fb.inflight.load(E1).requests == 0, what="expiry")
+    assert took < (LOAD_INTERVALS + 5) * TICK
+
+
+async def test_prefix_insertions_reach_the_other_processes_within_an_interval(
+    group: Group,
+) -> None:
+    (fa, _), (fb, _), (fc, _) = await group(), await group(), await group()
+    await asyncio.sleep(2 * TICK)  # readers waiting
+    fa.prefix.insert(E1, [11, 12, 13], 1000)
+    took = await eventually(lambda: fb.prefix.match([11, 12, 13], [E1]) == {E1: 3})
+    await eventually(lambda: fc.prefix.match([11, 12, 13], [E1]) == {E1: 3})
+    assert took < TICK * 2  # a few ms in practice (push mode)
+    assert fb.prefix.take_recent() == [], "applied insertions must not be shipped again"
+
+
+async def test_polling_mode_moves_insertions_too(group: Group) -> None:
+    (fa, _), (fb, _) = await group(poll=True), await group(poll=True)
+    fa.prefix.insert(E2, [21, 22], 1000)
+    await eventually(lambda: fb.prefix.match([21, 22], [E2]) == {E2: 2})
+
+
+async def test_sessions_follow_the_latest_binding_and_own_entries_are_skipped(
+    group: Group,
+) -> None:
+    (fa, _), (fb, _) = await group(), await group()
+    now = time.time()
+    fa.sessions.bind("s", E1, now, 60)
+    fa.sessions.bind("s", E2, now, 60)  # rebinding before the first one comes back
+    await eventually(lambda: fb.sessions.get("s", time.time()) == E2)
+    await asyncio.sleep(3 * TICK)
+    # Had a's own entries been applied to it, the older E1 binding could have won.
+    assert fa.sessions.get("s", time.time()) == E2
+    # The absolute expiry travels: a short binding ends at the same time everywhere.
+    fa.sessions.bind("short", E3, time.time(), 0.2)
+    await eventually(lambda: fb.sessions.get("short", time.time()) == E3)
+    await eventually(lambda: fb.sessions.get("short", time.time()) is None, within=1.0)
+
+
+async def test_a_late_process_starts_with_the_group_history(group: Group) -> None:
+    (fa, _), _ = await group(), await group()
+    fa.prefix.insert(E3, [31, 32], 1000)
+    fa.sessions.bind("old", E3, time.time(), 60)
+    await asyncio.sleep(5 * TICK)  # shipped
+    fc, _ = await group()
+    await eventually(lambda: fc.prefix.match([31, 32], [E3]) == {E3: 2}, what="replay")
+    assert fc.sessions.get("old", time.time()) == E3
+
+
+async def test_picks_made_while_redis_is_down_arrive_after_it_returns(
+    tmp_path: Path, group: Group
+) -> None:
+    if not redis_servers.available():
+        pytest.skip("redis-server not installed")
+    server = redis_servers.RedisServer(tmp_path).start()
+    try:
+        (fa, a), (fb, _) = await group(server.url), await group(server.url)
+        fa.prefix.insert(E1, [1, 2], 1000)
+        await eventually(lambda: fb.prefix.match([1, 2], [E1]) == {E1: 2})
+
+        server.kill()
+        await eventually(lambda: a.leases.owned() is None, what="a notices the outage")
+        fa.prefix.insert(E2, [3, 4], 1000)  # routing goes on, the insertion waits
+        fa.inflight.add(E3, 7)
+        await asyncio.sleep(0.2)
+        assert fb.prefix.match([3, 4], [E2]) == {E2: 0}
+
+        server.start()  # empty
+        await eventually(lambda: fb.prefix.match([3, 4], [E2]) == {E2: 2}, within=5.0)
+        await eventually(lambda: fb.inflight.load(E3).requests == 1, within=5.0)
+    finally:
+        server.stop()
