@@ -15,12 +15,9 @@ process table so one ``stack.stop()`` ends everything.
 from __future__ import annotations
 
 import abc
-import contextlib
 import json
 import math
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -33,15 +30,13 @@ from typing import Any
 import yaml
 
 from epp.config import ConfigError, parse_config
-from epp.devstack import Proc, Stack, envoy_binary, free_port, http_ok
+from epp.devstack import Proc, Stack, envoy_binary, free_port, free_port_run, http_ok
 from epp.sim.tokenization import BUNDLED_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "benchmarks" / "profiles"
 PEERS_DIR = ROOT / ".cache" / "peers"
 MODEL = "tiny"
-# Where replica and KV-event port runs are taken from: below Linux's ephemeral range (32768+).
-_PORT_RUNS = (20000, 32000)
 # Envoy's default circuit breakers (1024 requests per cluster) would throttle a saturated
 # fleet; epp's rendered config lifts them too, so the baselines are configured alike.
 _UNLIMITED = {
@@ -180,7 +175,7 @@ class Router(abc.ABC):
         return FleetStack(
             workdir,
             replicas=fleet.replicas,
-            sim_base_port=port_run(fleet.replicas, set()),
+            sim_base_port=free_port_run(fleet.replicas),
             sim_args=fleet.sim_args(),
             model=MODEL,
             sim_processes=fleet.sim_processes,
@@ -353,7 +348,7 @@ class EppProfile(Router):
             taken = {stack.envoy_port, stack.admin_port, *(p for t in stack.epp_ports for p in t)}
             assert stack.sim_base_port is not None
             taken.update(range(stack.sim_base_port, stack.sim_base_port + fleet.replicas))
-            stack.kv_events_base = port_run(fleet.replicas, taken)
+            stack.kv_events_base = free_port_run(fleet.replicas, taken)
         stack.config_extra = self.config_extra(fleet, stack.replica_addresses, stack.kv_events_base)
         return stack
 
@@ -403,30 +398,6 @@ class Peer(Router):
         url = f"http://127.0.0.1:{port}"
         wait_for(stack, self.name, lambda: completion_ok(url), timeout)
         return url
-
-
-def port_run(count: int, taken: set[int]) -> int:
-    """A base port with ``count`` free ports after it, none in ``taken``.
-
-    Runs come from below the kernel's ephemeral range: a benchmark leaves thousands of client
-    connections in TIME_WAIT on ephemeral ports, where runs of free ports become rare. Ports
-    are probed with SO_REUSEADDR, as the simulator's and ZMQ's listeners bind them.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(_PORT_RUNS[0], _PORT_RUNS[1] - count)
-        if taken.intersection(range(base, base + count)):
-            continue
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no run of free ports found")
 
 
 def all_routers() -> list[Router]:

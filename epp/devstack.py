@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -106,7 +107,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         if self.sim_base_port is None:
-            self.sim_base_port = _free_range(self.replicas)
+            self.sim_base_port = free_port_run(self.replicas)
         self.replica_addresses = [
             f"127.0.0.1:{self.sim_base_port + i}" for i in range(self.replicas)
         ]
@@ -298,23 +299,32 @@ class Stack:
         self.stop()
 
 
-def _free_range(count: int) -> int:
-    """A base port with ``count`` consecutive free ports after it."""
-    for _ in range(50):
-        base = free_port()
-        if base + count >= 65535:
+# Port runs come from below Linux's ephemeral range (32768+): tests and benchmarks leave
+# thousands of client connections in TIME_WAIT on ephemeral ports, where runs of free ports
+# become rare.
+_PORT_RUNS = (20000, 32000)
+
+
+def free_port_run(count: int, taken: Collection[int] = ()) -> int:
+    """A base port with ``count`` free ports after it, none in ``taken``.
+
+    Probed with SO_REUSEADDR, as the simulator's and ZMQ's listeners bind them.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(_PORT_RUNS[0], _PORT_RUNS[1] - count)
+        if any(p in taken for p in range(base, base + count)):
             continue
-        ok = True
-        for port in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             return base
-    raise RuntimeError("no run of free ports found")
+    raise RuntimeError("no run of free ports found between 20000 and 32000")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.devstack import Stack, _free_range, free_port, http_ok
+from epp.devstack import Stack, free_port, free_port_run, http_ok
 from tests.e2e.client import completion, request
 from tests.e2e.conftest import make_stack
 
@@ -94,7 +94,7 @@ def test_grpc_health_services(tmp_path: Path) -> None:
 
 
 def test_epp_dev_starts_the_stack_and_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    port, admin, base = free_port(), free_port(), _free_range(3)
+    port, admin, base = free_port(), free_port(), free_port_run(3)
     dev = subprocess.Popen(
         [
             sys.executable,
