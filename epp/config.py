@@ -46,10 +46,19 @@ class ConfigError(ValueError):
     """A configuration problem; the message starts with the dotted path of the bad key."""
 
 
+# The profile used when the file names none. Cache affinity and load meet in one unit in the
+# TTFT estimate; load is counted at pick time so bursts cannot herd between scrapes; filters keep
+# LoRA requests where the adapter can run and long prompts where they fit. Chosen by
+# benchmarks/routing.py (docs/benchmarks.md); GIE's 3:2:2 profile is in benchmarks/profiles.
 DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "ready-endpoint-filter"},
-    {"plugin": "queue-scorer", "weight": 2},
-    {"plugin": "kv-cache-utilization-scorer", "weight": 2},
+    {"plugin": "lora-filter"},
+    {"plugin": "kv-headroom-filter"},
+    {"plugin": "prefix-cache-scorer", "weight": 3},
+    {"plugin": "session-affinity-scorer", "weight": 1},
+    {"plugin": "lora-affinity-scorer", "weight": 1},
+    {"plugin": "inflight-load-scorer", "weight": 2},
+    {"plugin": "ttft-scorer", "weight": 2},
     {"plugin": "max-score-picker"},
 ]
 
