@@ -37,11 +37,9 @@ class Request:
 
 @dataclass(slots=True)
 class Outcome:
-    """What happened to one request. Times in seconds; ``status`` 0 means no HTTP answer."""
+    """What happened to one request (times in seconds)."""
 
-    status: int = 0
     ttft: float | None = None
-    latency: float | None = None
     output_tokens: int = 0
     error: str = ""
     # Event-loop time the request ended (answered, failed or timed out).
@@ -85,7 +83,6 @@ async def _send(
             asyncio.timeout(limit_s),
             session.post(url + request.path, data=request.body, headers=request.headers) as resp,
         ):
-            out.status = resp.status
             if resp.status != 200:
                 text = (await resp.read())[:200].decode(errors="replace")
                 out.error = f"HTTP {resp.status}: {text.strip()}"
@@ -107,7 +104,6 @@ async def _send(
         return out
     finally:
         out.finished = loop.time()
-    out.latency = out.finished - start
     counts = _COMPLETION_TOKENS.findall(tail)
     if not tail.rstrip().endswith(b"data: [DONE]"):
         out.error = "stream ended without [DONE]"

@@ -16,7 +16,6 @@ class Row:
     router: str
     rate: float
     sent: int
-    ok: int
     errors: int
     req_s: float
     out_tok_s: float

@@ -89,8 +89,9 @@ class SharedPrefix:
         """Tokens an ideal fleet keeps cached: every group's system prompt once."""
         return self.groups * self.system_tokens
 
-    def lora_modules(self) -> list[str]:
-        return []
+    def loras(self) -> tuple[list[str], int]:
+        """Adapters the fleet must serve and how many fit at once (none here)."""
+        return [], 1
 
     def stream(self) -> Iterator[Item]:
         rng = random.Random(self.seed)
@@ -135,8 +136,9 @@ class MultiTurn:
         mean_context = self.system_tokens + self.first_user_tokens + per_turn * self.turns / 2
         return int(self.conversations * mean_context)
 
-    def lora_modules(self) -> list[str]:
-        return []
+    def loras(self) -> tuple[list[str], int]:
+        """Adapters the fleet must serve and how many fit at once (none here)."""
+        return [], 1
 
     def stream(self) -> Iterator[Item]:
         rng = random.Random(self.seed)
@@ -201,8 +203,8 @@ class LoraMix:
     def shared_tokens(self) -> int:
         return self.adapters * self.task_tokens
 
-    def lora_modules(self) -> list[str]:
-        return self._names
+    def loras(self) -> tuple[list[str], int]:
+        return self._names, self.max_loras
 
     def stream(self) -> Iterator[Item]:
         rng = random.Random(self.seed)
