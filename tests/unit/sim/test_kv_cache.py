@@ -79,11 +79,13 @@ def test_hashes_equal_a_real_vllm_servers() -> None:
 
 
 def test_lora_hashes_equal_a_real_vllm_servers() -> None:
-    """vLLM hashes a LoRA request's blocks with ("lora", name, path); the capture served
-    tiny-lora from $REPO/.cache/tiny-lora."""
+    """vLLM hashes a LoRA request's blocks with ("lora", name, path). The path is the one the
+    capturing server loaded the adapter from, which it reports as the adapter's ``root`` in
+    /v1/models (not this checkout's location)."""
     stored = _stored_events(FIXTURES / "kv_events_lora.msgpack.jsonl")
     (first,) = [e for e in stored if e["parent_block_hash"] is None and e["lora_name"]]
-    path = str(FIXTURES.parents[2] / ".cache" / "tiny-lora")
+    models = json.loads((FIXTURES / "models_lora.json").read_text())["data"]
+    (path,) = [m["root"] for m in models if m["id"] == first["lora_name"]]
     keys = lora_extra_keys(first["lora_name"], path)
     assert hash_blocks(first["token_ids"], first["block_size"], keys) == first["block_hashes"]
     assert first["extra_keys"] == [[first["lora_name"]]] * len(first["block_hashes"])
