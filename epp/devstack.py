@@ -100,6 +100,10 @@ class Stack:
     admin_port: int = field(default_factory=free_port)
     sim_base_port: int | None = None
     sim_args: list[str] = field(default_factory=list)
+    # One `epp sim` process per replica: a crash fault then ends that process, and the kernel
+    # closes its sockets at once, as in a real crash (several replicas in one process close
+    # their listener a little after dropping their connections).
+    sim_per_replica: bool = False
     config_extra: dict[str, Any] = field(default_factory=dict)
     epp_args: list[str] = field(default_factory=list)
     model: str = "tiny"
@@ -161,22 +165,29 @@ class Stack:
         return proc
 
     def start_sims(self) -> None:
-        self._spawn(
-            "sim",
-            [
-                sys.executable,
-                "-m",
-                "epp",
-                "sim",
-                "--replicas",
-                str(self.replicas),
-                "--base-port",
-                str(self.sim_base_port),
-                "--model",
-                self.model,
-                *self.sim_args,
-            ],
+        ports = [int(a.rpartition(":")[2]) for a in self.replica_addresses]
+        groups = (
+            [(f"sim{i}", 1, port) for i, port in enumerate(ports)]
+            if self.sim_per_replica
+            else [("sim", self.replicas, ports[0])]
         )
+        for name, count, base in groups:
+            self._spawn(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "epp",
+                    "sim",
+                    "--replicas",
+                    str(count),
+                    "--base-port",
+                    str(base),
+                    "--model",
+                    self.model,
+                    *self.sim_args,
+                ],
+            )
 
     def start_epp(self, index: int) -> Proc:
         port, health, metrics = self.epp_ports[index]

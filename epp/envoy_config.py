@@ -150,15 +150,16 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
         # long as the HTTP request.
         "grpc_service": {
             "envoy_grpc": {"cluster_name": EPP_CLUSTER},
-            # A stream that cannot reach an epp (dead process, refused, UNAVAILABLE before epp's
-            # first answer) is replayed on another epp instead of failing the request with a
-            # 500. Retries here can land on the dead epp again (measured: previous_hosts does
-            # not keep them off it), so they must outlast the health checks that remove it:
-            # 4 retries backing off 25 -> 250 ms span ~0.4 s. Measured (SIGKILL of one of two
-            # epps under 8 clients, 6 runs): 0 requests started after the kill failed; with
-            # 2 retries over 10-50 ms, up to 200 did.
+            # A stream that cannot reach an epp (dead process, refused, reset or UNAVAILABLE
+            # before epp's first answer) is replayed on another epp instead of failing the
+            # request with a 500. Retries here can land on the dead epp again (measured:
+            # previous_hosts does not keep them off it), so they must outlast the health checks
+            # that remove it: 4 retries backing off 25 -> 250 ms span ~0.4 s. Measured (SIGKILL
+            # of one of two epps under 8 clients, 6 runs): 0 requests started after the kill
+            # failed, only streams epp had already answered; with 2 retries over 10-50 ms and
+            # no "reset", up to 200 did.
             "retry_policy": {
-                "retry_on": "connect-failure,refused-stream,unavailable",
+                "retry_on": "connect-failure,refused-stream,unavailable,reset",
                 "num_retries": 4,
                 "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
                 "retry_host_predicate": [

@@ -7,6 +7,8 @@ since the last tick (``SET {prefix}:ep:{address} <json> PX ttl``) and reads ever
 process knows (one ``GET`` each); a remote state replaces the local one only if it was scraped
 more recently (or, for the same scrape, has counted more failed polls since: a failing endpoint's
 ``scraped_at`` stands still), so processes converge on the freshest observation of each endpoint.
+A change of readiness is written at once instead of at the next tick. With scrape leases
+(:mod:`epp.sources.lease`) one process observes each endpoint, so the others only read.
 
 When Redis is unreachable the store keeps serving local state, logs one warning, reports
 ``epp_state_store_up 0`` and retries with capped, jittered exponential backoff; when Redis answers

@@ -134,8 +134,12 @@ class SentinelSetup:
     def failover(self, timeout: float = 10.0) -> int:
         """Promote the replica (``SENTINEL FAILOVER``); returns the new master's port."""
         old = self.master_port()
-        cli(self.sentinel_port, "sentinel", "failover", self.service)
         deadline = time.monotonic() + timeout
+        # Refused (NOGOODSLAVE) until the Sentinel has seen the replica's link to the master up.
+        while (reply := cli(self.sentinel_port, "sentinel", "failover", self.service)) != "OK":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sentinel refused to fail over: {reply}")
+            time.sleep(0.1)
         while (port := self.master_port()) == old:
             if time.monotonic() > deadline:
                 raise RuntimeError("sentinel failover did not happen")

@@ -177,8 +177,7 @@ async def test_redis_outage_scrapes_everything_logs_once_and_recovers(
         )
     finally:
         server.stop()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    resumed = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
-    assert len(warnings) == 2, warnings  # one per process
-    assert all("scraping every endpoint" in w for w in warnings)
-    assert len(resumed) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    # Once per process and outage, however many retries failed.
+    assert len([m for m in messages if "scraping every endpoint" in m]) == 2, messages
+    assert len([m for m in messages if "resumed" in m]) == 2, messages

@@ -53,9 +53,8 @@ class Replica:
         app.router.add_get("/metrics", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.port = self.runner.addresses[0][1]
 
     async def stop(self) -> None:
         if self.runner is not None:

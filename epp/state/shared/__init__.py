@@ -4,8 +4,11 @@
 - :mod:`~epp.state.shared.keys`: the key schema (all keys in one Cluster slot).
 - :mod:`epp.sources.lease`: each endpoint scraped by one process of the group.
 - :mod:`~epp.state.shared.loads`: in-flight counts summed over the group.
-- :mod:`~epp.state.shared.picks`: routing decisions (prefix blocks, sessions) replayed by all.
-- :mod:`~epp.state.shared.sync`: the loop that drives the first three every scrape interval.
+- :mod:`~epp.state.shared.picks`: what picks add to the prefix index and the session table,
+  replayed by every other process through a stream.
+- :mod:`~epp.state.shared.sessions`: the session table whose bindings can be replayed.
+- :mod:`~epp.state.shared.sync`: per process, leases and in-flight counts every scrape interval,
+  and the pick stream's tasks.
 
 Endpoint states travel through :class:`~epp.state.redis_store.RedisStore`. The precise prefix
 index needs nothing from here: each process subscribes to every engine's KV events itself (ZMQ

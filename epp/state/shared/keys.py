@@ -14,8 +14,8 @@ key                             type      written by / lifetime
                                           older than the lease TTL is pruned; key PX lease TTL
 ``{p}:load:<process id>``       hash      endpoint -> "requests tokens" the process has in
                                           flight; PX 10 intervals (a dead process's expire)
-``{p}:picks``                   stream    one entry per prefix-index insertion or session
-                                          binding; ``MAXLEN ~ 4096``, PX 1 h after the last
+``{p}:picks``                   stream    prefix-index insertions and session bindings, up
+                                          to 32 per entry; ``MAXLEN ~ 1024``, PX 1 h
 ==============================  ========  =====================================================
 """
 

@@ -166,7 +166,7 @@ class SharedState:
                 pipe.hgetall(self.keys.load(member))
             results = await pipe.execute()
         self._members = self.leases.apply(order, results[0])
-        remote = total(results[len(results) - len(others) :] if others else [])
+        remote = total(results[len(results) - len(others) :])
         self._inflight.remote = remote
         SHARED_MEMBERS.set(len(self._members))
         for address in {*local, *remote}:
@@ -190,8 +190,10 @@ class SharedState:
                 len(self._members),
                 len(self.leases.owned() or ()),
             )
-        elif not up:
-            log.warning(
+        else:
+            # INFO: the state store has already warned about the outage itself; this line says
+            # what it means for scraping and routing.
+            log.info(
                 "shared state unavailable (%s): scraping every endpoint from this process and "
                 "routing on local counts until redis answers",
                 str(exc) or type(exc).__name__,
