@@ -14,19 +14,17 @@ import shutil
 import socket
 import subprocess
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis.exceptions
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from epp.state.redis_store import RedisStore
 from epp.state.snapshot import EndpointMetrics, EndpointState
+from tests.unit.conftest import SHARED_URL
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 TICK = 0.02
 ADDRESS = "10.0.0.1:8000"
 
@@ -78,23 +76,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A key prefix no other test uses; its keys are deleted afterwards."""
-    client = Redis.from_url(SHARED_URL)
-    try:
-        await client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        await client.aclose()
-        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
-    name = f"epp-test-{uuid.uuid4().hex}"
-    yield name
-    keys = [key async for key in client.scan_iter(match=f"{name}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.fixture

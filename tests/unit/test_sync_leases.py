@@ -10,20 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import redis.exceptions
 from prometheus_client import REGISTRY
-from redis.asyncio import Redis
 
 from epp.state.fleet import FleetState
 from epp.state.shared.sync import SharedState
 from tests.helpers import redis_servers
+from tests.unit.conftest import SHARED_URL
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 TICK = 0.02
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(7)]
 
@@ -40,22 +37,6 @@ async def eventually(
             raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(0.002)
     return time.monotonic() - started
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = Redis.from_url(SHARED_URL)
-    try:
-        await client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        await client.aclose()
-        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
-    name = f"epp-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.fixture

@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis.exceptions
 from aiohttp import web
-from redis.asyncio import Redis
 
 from epp.sources.scraper import MetricsScraper
 from epp.state.fleet import FleetState
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sync import SharedState
+from tests.unit.conftest import SHARED_URL
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 TICK = 0.02
 PAGE = 'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
 
@@ -90,22 +87,6 @@ class Process:
         await self.scraper.stop()
         await self.shared.stop()
         await self.store.stop()
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = Redis.from_url(SHARED_URL)
-    try:
-        await client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        await client.aclose()
-        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
-    name = f"epp-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.fixture

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import redis.exceptions
-from redis.asyncio import Redis
 
 from epp.state.fleet import FleetState
 from epp.state.inflight import Load
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LOAD_INTERVALS, SharedState
 from tests.helpers import redis_servers
+from tests.unit.conftest import SHARED_URL
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 TICK = 0.02
 E1, E2, E3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -35,22 +32,6 @@ async def eventually(
             raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(0.001)
     return time.monotonic() - started
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = Redis.from_url(SHARED_URL)
-    try:
-        await client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        await client.aclose()
-        pytest.skip(f"no Redis at {SHARED_URL}: {exc}")
-    name = f"epp-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"{{{name}}}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.fixture
