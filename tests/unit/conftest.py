@@ -1,9 +1,11 @@
-"""Fixtures shared by unit tests that talk to the Redis every machine runs on 6379."""
+"""Fixtures and helpers shared by unit tests (Redis on 6379, waiting for async conditions)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.exceptions
@@ -27,3 +29,15 @@ async def prefix() -> AsyncIterator[str]:
     if keys:
         await client.delete(*keys)
     await client.aclose()
+
+
+async def eventually(
+    condition: Callable[[], object], within: float = 5.0, what: str = "condition"
+) -> float:
+    """Seconds until ``condition`` held; fails the test after ``within``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - started

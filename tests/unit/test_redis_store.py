@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from epp.state.redis_store import RedisStore
 from epp.state.snapshot import EndpointMetrics, EndpointState
-from tests.unit.conftest import SHARED_URL
+from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
 ADDRESS = "10.0.0.1:8000"
@@ -42,16 +42,6 @@ def _state(scraped_at: float, running: int, *, ready: bool = True) -> EndpointSt
         ),
         scraped_at=scraped_at,
     )
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def _running(store: RedisStore) -> int | None:

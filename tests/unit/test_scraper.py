@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from epp.sources.scraper import MetricsScraper
 from epp.state.memory import MemoryStore
 from epp.state.snapshot import EndpointState
+from tests.unit.conftest import eventually
 
 PAGE = (Path(__file__).resolve().parent.parent / "fixtures" / "metrics_sample_v0.txt").read_text()
 
@@ -81,18 +82,6 @@ async def _server(make: Callable[[], FakeVllm]) -> FakeVllm:
     server = make()
     await server.start()
     return server
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
-) -> float:
-    """Wait until ``condition()`` is true; return the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > within:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - start
 
 
 class RecordingStore(MemoryStore):

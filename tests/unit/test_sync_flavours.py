@@ -18,21 +18,12 @@ from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import SharedState
 from epp.state.snapshot import EndpointState
 from tests.helpers import redis_servers
+from tests.unit.conftest import eventually
 
 TICK = 0.02
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(4)]
 
 pytestmark = pytest.mark.skipif(not redis_servers.available(), reason="redis-server not installed")
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 5.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class Member:

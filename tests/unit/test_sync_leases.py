@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -19,24 +18,12 @@ from prometheus_client import REGISTRY
 from epp.state.fleet import FleetState
 from epp.state.shared.sync import SharedState
 from tests.helpers import redis_servers
-from tests.unit.conftest import SHARED_URL
+from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(7)]
 
 Group = Callable[..., Awaitable[SharedState]]
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
-) -> float:
-    """Seconds until ``condition`` held; fails after ``within``."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.002)
-    return time.monotonic() - started
 
 
 @pytest.fixture

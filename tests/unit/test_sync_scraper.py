@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,21 +16,10 @@ from epp.state.fleet import FleetState
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sync import SharedState
-from tests.unit.conftest import SHARED_URL
+from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
 PAGE = 'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
-) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.002)
-    return time.monotonic() - started
 
 
 class Replica:

@@ -14,24 +14,13 @@ from epp.state.inflight import Load
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LOAD_INTERVALS, SharedState
 from tests.helpers import redis_servers
-from tests.unit.conftest import SHARED_URL
+from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
 E1, E2, E3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 Member = tuple[FleetState, SharedState]
 Group = Callable[..., Awaitable[Member]]
-
-
-async def eventually(
-    condition: Callable[[], object], within: float = 3.0, what: str = "condition"
-) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.001)
-    return time.monotonic() - started
 
 
 @pytest.fixture
