@@ -176,10 +176,7 @@ class Bench:
         self.procs: list[Proc] = []
 
     def spawn(self, name: str, argv: list[str]) -> Proc:
-        log = self.workdir / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        proc = Proc(name, popen, log)
+        proc = Proc.start(name, argv, self.workdir)
         self.procs.append(proc)
         return proc
 

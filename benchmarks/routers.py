@@ -17,8 +17,6 @@ from __future__ import annotations
 import abc
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -30,7 +28,7 @@ from typing import Any
 import yaml
 
 from epp.config import ConfigError, parse_config
-from epp.devstack import Proc, Stack, envoy_binary, free_port, free_port_run, http_ok
+from epp.devstack import Stack, envoy_binary, free_port, free_port_run, http_ok
 from epp.sim.tokenization import BUNDLED_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,23 +115,7 @@ class FleetStack(Stack):
             ]
             if self.kv_events_base is not None:
                 argv += ["--kv-events-endpoint", f"tcp://*:{self.kv_events_base + first}"]
-            spawn(self, f"sim{shard}", argv)
-
-
-def spawn(stack: Stack, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-    """Start a process with its log in the stack's workdir; ``stack.stop()`` will end it."""
-    log = stack.workdir / f"{name}.log"
-    with open(log, "wb") as out:
-        popen = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,
-        )
-    proc = Proc(name, popen, log)
-    stack.procs[name] = proc
-    return proc
+            self.spawn(f"sim{shard}", argv)
 
 
 def wait_for(stack: Stack, what: str, check: Callable[[], bool], timeout: float) -> None:
@@ -213,7 +195,7 @@ class EnvoyLB(Router):
         path = stack.workdir / "envoy.yaml"
         path.write_text(plain_envoy(listen, admin, stack.replica_addresses, self.lb_policy))
         argv = [envoy_binary(), "-c", str(path), "--log-level", "warn"]
-        spawn(stack, "envoy", [*argv, "--base-id", str(admin), "--concurrency", "1"])
+        stack.spawn("envoy", [*argv, "--base-id", str(admin), "--concurrency", "1"])
         url = f"http://127.0.0.1:{listen}"
         wait_for(stack, "envoy", lambda: completion_ok(url), timeout)
         return url
@@ -394,7 +376,7 @@ class Peer(Router):
             str(metrics),
             *self.extra,
         ]
-        spawn(stack, self.name, argv, {"NO_COLOR": "1"})
+        stack.spawn(self.name, argv, {"NO_COLOR": "1"})
         url = f"http://127.0.0.1:{port}"
         wait_for(stack, self.name, lambda: completion_ok(url), timeout)
         return url

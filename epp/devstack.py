@@ -55,6 +55,22 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
 
+    @classmethod
+    def start(
+        cls, name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None
+    ) -> Proc:
+        """Start ``argv`` in its own session, output to ``workdir/<name>.log``."""
+        log = workdir / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                start_new_session=True,
+            )
+        return cls(name, popen, log)
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -153,15 +169,9 @@ class Stack:
             )
         )
 
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
-        log = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        proc = Proc(name, popen, log)
-        self.procs[name] = proc
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Start a process with its log in the work directory; :meth:`stop` ends it."""
+        proc = self.procs[name] = Proc.start(name, argv, self.workdir, env)
         return proc
 
     def start_sims(self) -> None:
@@ -172,7 +182,7 @@ class Stack:
             else [("sim", self.replicas, ports[0])]
         )
         for name, count, base in groups:
-            self._spawn(
+            self.spawn(
                 name,
                 [
                     sys.executable,
@@ -208,10 +218,10 @@ class Stack:
         ]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
-        return self._spawn(f"epp{index}", argv)
+        return self.spawn(f"epp{index}", argv)
 
     def start_envoy(self) -> None:
-        self._spawn(
+        self.spawn(
             "envoy",
             [
                 envoy_binary(),
