@@ -10,9 +10,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from epp.sim.engine import Engine
+from epp.sim.exposition import (
+    Counter,
+    CounterChild,
+    Gauge,
+    GaugeChild,
+    Histogram,
+    HistogramChild,
+    Registry,
+)
 from epp.sim.request import SimRequest
 from epp.sim.scheduler import Batch
 
@@ -50,21 +57,18 @@ class EngineMetrics:
     def __init__(
         self, model_name: str, cache_info: dict[str, str], max_loras: int, max_model_len: int
     ) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = r = Registry()
         self.max_loras = max_loras
-        # Label names in vLLM's exposition order (its multiprocess registry sorts them).
         labels = {"engine": "0", "model_name": model_name}
-        names = list(labels)
-        r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r).labels(**labels)
+        def gauge(name: str, doc: str) -> GaugeChild:
+            return r.add(Gauge(name, doc)).labels(**labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=r).labels(**labels)
+        def counter(name: str, doc: str) -> CounterChild:
+            return r.add(Counter(name, doc)).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**labels)
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> HistogramChild:
+            return r.add(Histogram(name, doc, buckets)).labels(**labels)
 
         self.running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
@@ -89,11 +93,8 @@ class EngineMetrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            ["engine", "finished_reason", "model_name"],
-            registry=r,
+        success = r.add(
+            Counter("vllm:request_success", "Count of successfully processed requests.")
         )
         # vLLM creates every finish reason's series up front; the simulator only ends by
         # length (it never samples EOS or a stop string).
@@ -151,19 +152,11 @@ class EngineMetrics:
             token_buckets(max_model_len),
         )
         info_labels = {**cache_info, "engine": "0"}
-        Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            sorted(info_labels),
-            registry=r,
-        ).labels(**info_labels).set(1)
+        r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
+            **info_labels
+        ).set(1)
         # No engine/model_name labels, as in vLLM.
-        self.lora_info = Gauge(
-            "vllm:lora_requests_info",
-            "Running stats on lora requests.",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-            registry=r,
-        )
+        self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
 
@@ -226,4 +219,4 @@ class EngineMetrics:
     def render(self, engine: Engine) -> bytes:
         # Refreshed at scrape time too, so a paused engine still shows its growing queue.
         self.refresh(engine)
-        return generate_latest(self.registry)
+        return self.registry.render()
