@@ -108,9 +108,17 @@ class Replica:
             log.warning("crash fault: exiting")
             os._exit(1)
         log.warning("crash fault: dropping replica %s", self.config.address)
-        if self._runner is not None:
-            server = self._runner.server
-            for handler in list(server.connections) if server else []:
-                if handler.transport is not None:
-                    handler.transport.abort()
-        asyncio.get_running_loop().create_task(self.stop())
+        asyncio.get_running_loop().create_task(self._crash())
+
+    async def _crash(self) -> None:
+        # Listeners first: a connection accepted after the resets below would otherwise be
+        # served by a half-stopped replica and hang until the runner's shutdown timeout.
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        server = self._runner.server
+        for handler in list(server.connections) if server else []:
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.stop()

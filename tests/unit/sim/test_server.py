@@ -226,6 +226,24 @@ async def test_crash_drops_the_listener(start_replica) -> None:
         await post(r, "/v1/completions", {"prompt": "q"})
 
 
+async def test_crash_resets_requests_in_flight_at_once(start_replica) -> None:
+    """Requests held by a paused engine fail fast when the replica crashes, none hangs."""
+    r = await start_replica()
+    assert (await post(r, "/admin/faults", {"hang": True}))[0] == 200
+    held = [
+        asyncio.create_task(post(r, "/v1/completions", {"prompt": f"q{i}", "max_tokens": 4}))
+        for i in range(3)
+    ]
+    await asyncio.sleep(0.1)
+    assert (await post(r, "/admin/faults", {"crash": True}))[0] == 200
+    # New connections keep arriving while the crash takes effect (50 ms after the call).
+    for i in range(40):
+        held.append(asyncio.create_task(post(r, "/v1/completions", {"prompt": f"late{i}"})))
+        await asyncio.sleep(0.003)
+    results = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 2.0)
+    assert all(isinstance(x, aiohttp.ClientError) for x in results), results
+
+
 async def test_models_health_and_router_probes(start_replica) -> None:
     r = await start_replica(
         lora_modules={"sql": "/adapters/sql"}, engine=engine_config(max_loras=1)
