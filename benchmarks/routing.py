@@ -48,9 +48,9 @@ BLOCK_SIZE = 16
 # from below round robin's saturation to past the best router's. Calibrated on this 2-core
 # machine; docs/benchmarks.md says how.
 RATES = {
-    "shared-prefix": [4.0, 10.0, 16.0],
-    "multi-turn": [8.0, 16.0],
-    "lora": [8.0, 16.0],
+    "shared-prefix": [4.0, 10.0, 16.0, 24.0, 32.0],
+    "multi-turn": [8.0, 16.0, 24.0],
+    "lora": [8.0, 16.0, 24.0],
 }
 # --quick: one stage past round robin's saturation, so routing still shows; shared-prefix only
 # unless --workloads says otherwise (every router x workload pair restarts a fleet).
@@ -258,10 +258,11 @@ def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespa
         f"- Stages of {args.duration:g} s of open-loop Poisson arrivals per rate; each request "
         f"times out after {args.request_timeout:g} s; requests still running "
         f"{args.drain_timeout:g} s after a stage's last send count as errors.",
-        "- Rates were calibrated by sweeping 4-20 req/s at time scale 3 on this machine: round "
+        "- Rates were calibrated by sweeping 4-32 req/s at time scale 3 on this machine: round "
         "robin saturates the shared-prefix fleet at about 8 req/s (TTFT p90 0.5 s at 4/s, "
-        "1.7 s at 8/s, 10 s at 16/s, throughput flat at ~5 req/s completed), cache-aware "
-        "routers keep TTFT p90 under 1 s to 12-16 req/s. The default rates span both.",
+        "1.7 s at 8/s, 10 s at 16/s, throughput flat at ~5 req/s completed), sglang-router at "
+        "about 16-24 req/s (~9.5 req/s completed), epp's profiles keep TTFT p90 under 1 s to "
+        "about 24 req/s and complete ~15 req/s at 32. The default rates span all three.",
     ]
     for w in workloads:
         shared = w.shared_tokens()

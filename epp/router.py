@@ -98,7 +98,8 @@ class Router:
                 request.model, f"{ready} of {len(candidates)} endpoints are ready"
             )
         first = decision.endpoints[0]
-        ticket = self.fleet.inflight.add(first.address, request.expected_tokens())
+        cached = cycle.cached_tokens().get(first.address, 0)
+        ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
         if decision.scores is not None:

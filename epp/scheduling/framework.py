@@ -19,6 +19,9 @@ from epp.request import InferenceRequest
 from epp.state.fleet import FleetState
 from epp.state.snapshot import EndpointState, Snapshot
 
+# Keys under which prefix scorers publish cached prompt tokens per endpoint, best source first.
+CACHED_TOKEN_KEYS = ("cached_tokens", "approx_cached_tokens")
+
 
 @dataclass(slots=True)
 class Cycle:
@@ -35,6 +38,15 @@ class Cycle:
     weights: Mapping[str, float] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
+
+    def cached_tokens(self) -> Mapping[str, int]:
+        """Prompt tokens each endpoint caches for this request, as the prefix scorers found
+        (precise when available, else approximate; empty when no prefix scorer ran)."""
+        for key in CACHED_TOKEN_KEYS:
+            found = self.data.get(key)
+            if found:
+                return found
+        return {}
 
 
 class Plugin:

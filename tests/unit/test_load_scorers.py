@@ -54,6 +54,17 @@ def test_scraped_queue_counts_when_epp_did_not_route_it() -> None:
     assert scores == [0.0, 1.0]
 
 
+def test_scraped_requests_count_at_the_size_of_epps_own() -> None:
+    """Two tiny requests of epp's own and a scraped queue of 6: the queue is 6 tiny requests,
+    not 6 x 512 tokens, so a replica holding many small requests is not shunned for it."""
+    fleet = FleetState()
+    for _ in range(2):
+        fleet.inflight.add("a", 10)
+    fleet.inflight.add("b", 100)
+    cycle = Cycle(Snapshot(), fleet)
+    assert InflightLoadScorer().score(req(), [ep("a", running=6), ep("b")], cycle) == [1.0, 0.0]
+
+
 def test_capacity_weight_divides_load() -> None:
     fleet = FleetState()
     fleet.inflight.add("fast", 1000)
@@ -62,20 +73,47 @@ def test_capacity_weight_divides_load() -> None:
     assert InflightLoadScorer().score(req(), [ep("fast"), ep("slow")], cycle) == [1.0, 0.0]
 
 
-def test_ttft_trades_cache_hits_against_queued_work() -> None:
-    # 1000-token prompt; "warm" has 900 tokens cached but 300 tokens queued; "cold" is idle.
-    fleet = FleetState()
-    fleet.inflight.add("warm", 300)
-    cycle = Cycle(Snapshot(), fleet)
+def test_ttft_trades_cache_hits_against_queued_prefill() -> None:
+    # 1000-token prompt; "warm" has 900 tokens cached but was just sent a 300-token prefill.
+    scorer = TtftScorer(prefill_tokens_per_second=1000)
+    prefill_300 = req(300 * 4 - 4)
+    scorer.on_pick(prefill_300, ep("warm"), Cycle(Snapshot(), now=100.0))
+    cycle = Cycle(Snapshot(), now=100.0)
     cycle.data["approx_cached_tokens"] = {"warm": 900}
-    warm, cold = TtftScorer().score(req(4000), [ep("warm"), ep("cold")], cycle)
+    warm, cold = scorer.score(req(4000), [ep("warm"), ep("cold")], cycle)
     assert warm == 1.0  # 300 + 101 tokens of work beats 1001
     assert cold == pytest.approx((401 + 64) / (1001 + 64))
-    # Heavy queue on the warm replica flips the choice.
-    fleet.inflight.add("warm", 5000)
-    warm, cold = TtftScorer().score(req(4000), [ep("warm"), ep("cold")], cycle)
+    # A heavy queue of prefill on the warm replica flips the choice...
+    scorer.on_pick(req(5000 * 4 - 4), ep("warm"), Cycle(Snapshot(), now=100.0))
+    warm, cold = scorer.score(req(4000), [ep("warm"), ep("cold")], cycle)
     assert cold == 1.0
     assert warm < 0.5
+    # ...until the replica has had time to compute it (5,300 tokens at 1,000/s).
+    later = Cycle(Snapshot(), now=105.3)
+    later.data["approx_cached_tokens"] = {"warm": 900}
+    assert scorer.score(req(4000), [ep("warm"), ep("cold")], later)[0] == 1.0
+
+
+def test_ttft_ignores_decoding_work_but_not_the_waiting_queue() -> None:
+    """Requests decoding after a cache hit do not delay a new prompt much; waiting ones do."""
+    fleet = FleetState()
+    for _ in range(20):
+        fleet.inflight.add("busy", 300)
+    cycle = Cycle(Snapshot(), fleet)
+    cycle.data["approx_cached_tokens"] = {"busy": 900}
+    scores = TtftScorer().score(req(4000), [ep("busy", running=20), ep("idle")], cycle)
+    assert scores[0] == 1.0
+    scores = TtftScorer().score(req(4000), [ep("busy", waiting=4), ep("idle")], cycle)
+    assert scores[1] == 1.0
+
+
+def test_capacity_drains_the_prefill_queue_faster() -> None:
+    scorer = TtftScorer(prefill_tokens_per_second=1000)
+    for address in ("fast", "slow"):
+        scorer.on_pick(req(4000 * 4 - 4), ep(address), Cycle(Snapshot(), now=0.0))
+    cycle = Cycle(Snapshot(), weights={"fast": 2.0}, now=1.0)
+    assert scorer.backlog("fast", cycle) == pytest.approx(2000)
+    assert scorer.backlog("slow", cycle) == pytest.approx(3000)
 
 
 def test_precise_cached_tokens_win_over_approximate() -> None:
@@ -92,3 +130,5 @@ def test_bad_parameters_are_refused() -> None:
         TtftScorer(tokens_per_request=0)
     with pytest.raises(ValueError, match="tokens_per_request"):
         InflightLoadScorer(tokens_per_request=-1)
+    with pytest.raises(ValueError, match="prefill_tokens_per_second"):
+        TtftScorer(prefill_tokens_per_second=0)

@@ -2,10 +2,10 @@
 
 Scraped queue depth is up to one scrape interval old: a burst that arrives between two scrapes
 would see every replica as it was and pile onto the one that looked idlest. This scorer reads
-epp's own in-flight tokens (prompt plus requested output, added at each pick, released when the
-request's stream ends; summed over every epp process when state is shared) and, for work epp did
-not route (other gateways, requests still queued from before a restart), the scraped queue. The
-larger of the two is the endpoint's load, divided by its capacity weight.
+epp's own in-flight tokens (uncached prompt plus requested output, added at each pick, released
+when the request's stream ends; summed over every epp process when state is shared) and, for
+work epp did not route (other gateways, requests still queued from before a restart), the
+scraped queue. The larger of the two is the endpoint's load, divided by its capacity weight.
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ from epp.state.snapshot import EndpointState
 
 
 def outstanding_tokens(endpoint: EndpointState, cycle: Cycle, tokens_per_request: int) -> float:
-    """Work ahead of a new request on ``endpoint``, in tokens, per unit of capacity."""
-    own = cycle.fleet.inflight.load(endpoint.address).tokens
+    """Work ahead of a new request on ``endpoint``, in tokens, per unit of capacity.
+
+    Scraped requests are converted to tokens at the size of the requests epp has in flight
+    there (``tokens_per_request`` when it has none): a fixed guess would make a replica busy
+    with a few short requests look heavier than epp's own count of long ones, or the reverse.
+    """
+    own = cycle.fleet.inflight.load(endpoint.address)
     metrics = endpoint.metrics
-    scraped = (metrics.waiting + metrics.running) * tokens_per_request
-    return max(own, scraped) / cycle.weights.get(endpoint.address, 1.0)
+    per_request = own.tokens / own.requests if own.requests else tokens_per_request
+    scraped = (metrics.waiting + metrics.running) * per_request
+    return max(own.tokens, scraped) / cycle.weights.get(endpoint.address, 1.0)
 
 
 @register("inflight-load-scorer", "active-request-scorer")

@@ -2,11 +2,20 @@
 
 A request's first token waits for the prefill work queued ahead of it and then for its own
 prefill, which covers only the prompt tokens the endpoint has not cached. Both are in tokens, so
-the estimate is ``(outstanding work + uncached prompt tokens) / capacity``: cache affinity and
-load are traded in one unit instead of through hand-tuned weights between separate scorers
-(Dynamo's KV router costs workers the same way). Cached tokens come from the prefix scorers'
-per-endpoint matches in ``cycle.data`` (precise when available, else approximate); without
+the estimate is ``(prefill ahead + uncached prompt tokens) / capacity``: cache affinity and load
+are traded in one unit instead of through hand-tuned weights between separate scorers (Dynamo's
+KV router costs workers the same way). Cached tokens come from the prefix scorers' per-endpoint
+matches (:meth:`Cycle.cached_tokens`: precise when available, else approximate); without
 either, every endpoint is assumed cold.
+
+Prefill ahead is what matters, not all outstanding work: a replica decoding twenty requests whose
+prompts were cache hits starts a new prompt almost at once (a decode step costs a few ms), while
+one that has just been sent three cold 2,000-token prompts is busy for a while. epp does not see
+a request's first token, so it models each endpoint's prefill queue as a fluid: each pick adds
+the request's uncached prompt tokens, and the queue drains at ``prefill_tokens_per_second`` times
+the endpoint's capacity weight. The scraped waiting queue (requests the engine has not started,
+including ones other gateways sent) is a floor under that estimate. The model is per process:
+with several epp processes each counts its own picks, and the scraped queue covers the rest.
 
 Score: ``(best + slack) / (estimate + slack)``, so the fastest endpoint scores 1 and one twice
 as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from dominating.
@@ -14,47 +23,64 @@ as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from epp.request import InferenceRequest
-from epp.scheduling.framework import Cycle, Scorer, register
-from epp.scheduling.scorers.load import outstanding_tokens
+from epp.scheduling.framework import Cycle, PostPick, Scorer, register
 from epp.state.snapshot import EndpointState
-
-# Keys under which prefix scorers publish cached prompt tokens per endpoint, best source first.
-CACHED_TOKEN_KEYS = ("cached_tokens", "approx_cached_tokens")
 
 
 @register("ttft-scorer")
-class TtftScorer(Scorer):
+class TtftScorer(Scorer, PostPick):
+    """``prefill_tokens_per_second``: a capacity-1 replica's prefill speed (an 8B model on one
+    H100 computes roughly 10-20k prompt tokens/s). Too high underestimates queues, too low
+    spreads prefixes more than needed; within 2x of the truth either way changes little."""
+
     def __init__(
-        self, tokens_per_request: int = 512, slack_tokens: int = 64, queue_weight: float = 1.0
+        self,
+        tokens_per_request: int = 512,
+        slack_tokens: int = 64,
+        queue_weight: float = 1.0,
+        prefill_tokens_per_second: float = 10_000.0,
     ) -> None:
         if tokens_per_request <= 0 or slack_tokens <= 0 or queue_weight < 0:
             raise ValueError("tokens_per_request and slack_tokens must be > 0, queue_weight >= 0")
+        if prefill_tokens_per_second <= 0:
+            raise ValueError("prefill_tokens_per_second must be > 0")
         self.tokens_per_request = tokens_per_request
         self.slack = slack_tokens
         # How much queued work counts against an endpoint relative to this request's own prefill.
         self.queue_weight = queue_weight
+        self.prefill_rate = prefill_tokens_per_second
+        # Endpoint -> (prefill tokens queued at capacity 1, as of this wall-clock time).
+        self._backlog: dict[str, tuple[float, float]] = {}
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         prompt = request.prompt_tokens()
-        cached = _cached_tokens(cycle)
+        cached = cycle.cached_tokens()
         estimates = []
         for c in candidates:
             uncached = max(0, prompt - cached.get(c.address, 0))
-            queued = outstanding_tokens(c, cycle, self.tokens_per_request)
+            queued = max(
+                self.backlog(c.address, cycle), c.metrics.waiting * self.tokens_per_request
+            )
             capacity = cycle.weights.get(c.address, 1.0)
-            estimates.append(self.queue_weight * queued + uncached / capacity)
+            estimates.append((self.queue_weight * queued + uncached) / capacity)
         best = min(estimates)
         return [(best + self.slack) / (e + self.slack) for e in estimates]
 
+    def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None:
+        address = endpoint.address
+        uncached = max(0, request.prompt_tokens() - cycle.cached_tokens().get(address, 0))
+        self._backlog[address] = (self.backlog(address, cycle) + uncached, cycle.now)
 
-def _cached_tokens(cycle: Cycle) -> Mapping[str, int]:
-    for key in CACHED_TOKEN_KEYS:
-        found = cycle.data.get(key)
-        if found:
-            return found
-    return {}
+    def backlog(self, address: str, cycle: Cycle) -> float:
+        """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained)."""
+        entry = self._backlog.get(address)
+        if entry is None:
+            return 0.0
+        tokens, as_of = entry
+        drained = self.prefill_rate * cycle.weights.get(address, 1.0) * (cycle.now - as_of)
+        return max(0.0, tokens - drained)
