@@ -38,7 +38,16 @@ from typing import Any
 
 from benchmarks.loadgen import StageRun, poisson_arrivals, run_stage
 from benchmarks.oracle import Oracle
-from benchmarks.report import Row, Run, markdown, plots, progress_line, text_table
+from benchmarks.report import (
+    Row,
+    Run,
+    load_run,
+    markdown,
+    plots,
+    progress_line,
+    save_run,
+    text_table,
+)
 from benchmarks.routers import Fleet, FleetStack, Router, all_routers
 from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload
 
@@ -321,7 +330,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--routers", help="comma list of router names (default: all)")
     parser.add_argument("--workloads", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rates", help="comma list of req/s for every workload (overrides)")
-    parser.add_argument("--duration", type=float, help="seconds per stage (default 8, quick 6)")
+    parser.add_argument("--duration", type=float, help="seconds per stage (default 12, quick 6)")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument(
         "--sim-processes", type=int, default=2, help="simulator processes the fleet is split over"
@@ -345,10 +354,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=60.0)
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="measure nothing: rewrite the report and plots from a run's saved results "
+        "(written next to --output as .json by every run)",
+    )
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.duration is None:
-        args.duration = 6.0 if args.quick else 8.0
+        args.duration = 6.0 if args.quick else 12.0
     return args
 
 
@@ -409,11 +425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # signals become KeyboardInterrupt here and the stacks' finally blocks stop every process.
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
-    try:
-        result = run(args, command.strip())
-    except KeyboardInterrupt:
-        print("interrupted: every process started was stopped; no report written", flush=True)
-        return 130
+    if args.from_json:
+        result = load_run(args.from_json)
+    else:
+        try:
+            result = run(args, command.strip())
+        except KeyboardInterrupt:
+            print("interrupted: every process started was stopped; no report written", flush=True)
+            return 130
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        save_run(result, args.output.with_suffix(".json"))
     print()
     print(text_table(result.rows))
     try:
@@ -421,7 +442,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)", flush=True)
         images = []
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(markdown(result, images, args.output.parent))
     print(f"wrote {args.output}" + "".join(f", {p}" for p in images), flush=True)
     return 0

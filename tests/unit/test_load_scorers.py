@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from epp.config import parse_config
 from epp.request import InferenceRequest
+from epp.router import Router
 from epp.scheduling import Cycle
 from epp.scheduling.scorers.load import InflightLoadScorer
 from epp.scheduling.scorers.ttft import TtftScorer
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
+from epp.state.memory import MemoryStore
 
 
 def ep(addr: str, waiting: int = 0, running: int = 0) -> EndpointState:
@@ -41,7 +46,7 @@ def test_inflight_release_restores_score() -> None:
     fleet = FleetState()
     ticket = fleet.inflight.add("a", 1000)
     scores = InflightLoadScorer().score(req(), [ep("a"), ep("b")], Cycle(Snapshot(), fleet))
-    assert scores == [0.0, 1.0]
+    assert scores == [pytest.approx(512 / 1512), 1.0]
     fleet.inflight.release(ticket)
     assert InflightLoadScorer().score(req(), [ep("a"), ep("b")], Cycle(Snapshot(), fleet)) == [
         1.0,
@@ -51,7 +56,24 @@ def test_inflight_release_restores_score() -> None:
 
 def test_scraped_queue_counts_when_epp_did_not_route_it() -> None:
     scores = InflightLoadScorer().score(req(), [ep("a", waiting=4), ep("b")], Cycle(Snapshot()))
-    assert scores == [0.0, 1.0]
+    assert scores == [pytest.approx(512 / (4 * 512 + 512)), 1.0]
+
+
+def test_ratio_scores_near_equal_loads_alike_and_min_max_spreads_them() -> None:
+    """Ten busy replicas within 10% of each other: ratio leaves the choice to other scorers,
+    min-max still spans 0..1; an idle replica against a busy one is far apart either way."""
+    fleet = FleetState()
+    eps = [ep(f"e{i}") for i in range(10)]
+    for i, e in enumerate(eps):
+        fleet.inflight.add(e.address, 20_000 + 200 * i)
+    cycle = Cycle(Snapshot(), fleet)
+    ratio = InflightLoadScorer().score(req(), eps, cycle)
+    assert min(ratio) > 0.9
+    assert max(ratio) == 1.0
+    minmax = InflightLoadScorer(normalise="min-max").score(req(), eps, cycle)
+    assert (min(minmax), max(minmax)) == (0.0, 1.0)
+    idle_vs_busy = InflightLoadScorer().score(req(), [ep("idle"), eps[0]], cycle)
+    assert idle_vs_busy[1] < 0.03
 
 
 def test_scraped_requests_count_at_the_size_of_epps_own() -> None:
@@ -62,7 +84,8 @@ def test_scraped_requests_count_at_the_size_of_epps_own() -> None:
         fleet.inflight.add("a", 10)
     fleet.inflight.add("b", 100)
     cycle = Cycle(Snapshot(), fleet)
-    assert InflightLoadScorer().score(req(), [ep("a", running=6), ep("b")], cycle) == [1.0, 0.0]
+    scorer = InflightLoadScorer(normalise="min-max")
+    assert scorer.score(req(), [ep("a", running=6), ep("b")], cycle) == [1.0, 0.0]
 
 
 def test_capacity_weight_divides_load() -> None:
@@ -70,7 +93,8 @@ def test_capacity_weight_divides_load() -> None:
     fleet.inflight.add("fast", 1000)
     fleet.inflight.add("slow", 600)
     cycle = Cycle(Snapshot(), fleet, weights={"fast": 2.0})
-    assert InflightLoadScorer().score(req(), [ep("fast"), ep("slow")], cycle) == [1.0, 0.0]
+    scorer = InflightLoadScorer(normalise="min-max")
+    assert scorer.score(req(), [ep("fast"), ep("slow")], cycle) == [1.0, 0.0]
 
 
 def test_ttft_trades_cache_hits_against_queued_prefill() -> None:
@@ -130,5 +154,32 @@ def test_bad_parameters_are_refused() -> None:
         TtftScorer(tokens_per_request=0)
     with pytest.raises(ValueError, match="tokens_per_request"):
         InflightLoadScorer(tokens_per_request=-1)
+    with pytest.raises(ValueError, match="normalise"):
+        InflightLoadScorer(normalise="z-score")
     with pytest.raises(ValueError, match="prefill_tokens_per_second"):
         TtftScorer(prefill_tokens_per_second=0)
+
+
+BIG, S1, S2 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+async def test_default_profile_gives_a_weighted_replica_its_share_of_a_burst() -> None:
+    """Configured capacity 2:1:1 and 200 distinct prompts held in flight (nothing finishes):
+    the default profile puts half of them on the double-capacity replica."""
+    config = parse_config(
+        {
+            "models": {"m": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": [{"address": BIG, "weight": 2}, S1, S2]}},
+        }
+    )
+    store = MemoryStore()
+    for address in (BIG, S1, S2):
+        await store.put_endpoint(EndpointState(address, "main", True, EndpointMetrics(), 1.0))
+    router = Router(config, FleetState(store))
+    counts: Counter[str] = Counter()
+    for i in range(200):
+        request = InferenceRequest("r", "/v1/completions", "completions", "m", f"{i} " * 300)
+        decision, _ = router.route(request)
+        counts[decision.endpoints[0].address] += 1
+    assert 90 <= counts[BIG] <= 110, counts
+    assert abs(counts[S1] - counts[S2]) <= 10, counts

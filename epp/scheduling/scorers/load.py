@@ -33,22 +33,33 @@ def outstanding_tokens(endpoint: EndpointState, cycle: Cycle, tokens_per_request
 
 @register("inflight-load-scorer", "active-request-scorer")
 class InflightLoadScorer(Scorer):
-    """Score in [0, 1]: 1 for the least loaded candidate, falling linearly to 0 for the most.
+    """Score in [0, 1]: 1 for the least loaded candidate, less for the others.
 
-    ``tokens_per_request`` converts scraped request counts to tokens when epp has no count of
-    its own for them.
+    ``normalise`` says how much less. ``ratio`` (the default): ``(least + slack) / (load +
+    slack)``, so loads that differ by little score alike: an idle replica and one with a cold
+    request in flight are far apart, while ten busy replicas within 10% of each other all score
+    about 1 and leave the decision to cache affinity (a miss under overload is extra work for
+    the whole fleet). ``min-max`` (GIE's normalisation): the least loaded 1, the most loaded 0,
+    linear between, however small the spread. ``tokens_per_request`` converts scraped request
+    counts to tokens when epp has no count of its own for them, and is the ``slack``.
     """
 
-    def __init__(self, tokens_per_request: int = 512) -> None:
+    def __init__(self, tokens_per_request: int = 512, normalise: str = "ratio") -> None:
         if tokens_per_request <= 0:
             raise ValueError("tokens_per_request must be > 0")
+        if normalise not in ("ratio", "min-max"):
+            raise ValueError("normalise must be 'ratio' or 'min-max'")
         self.tokens_per_request = tokens_per_request
+        self.normalise = normalise
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         loads = [outstanding_tokens(c, cycle, self.tokens_per_request) for c in candidates]
         low, high = min(loads), max(loads)
+        if self.normalise == "ratio":
+            slack = self.tokens_per_request
+            return [(low + slack) / (load + slack) for load in loads]
         if high == low:
             return [1.0] * len(loads)
         return [(high - load) / (high - low) for load in loads]
