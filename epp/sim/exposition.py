@@ -109,11 +109,9 @@ class Gauge(_Family[GaugeChild]):
     child_type = GaugeChild
 
     def _render(self) -> str:
-        if not self.children:
-            return self._header(self.name, "gauge")
-        lines = [
-            f"{self.name}{{{key}}} {floatToGoString(c.value)}\n" for key, c in self.children.items()
-        ]
+        lines = (
+            f"{self.name}{{{k}}} {floatToGoString(c.value)}\n" for k, c in self.children.items()
+        )
         return self._header(self.name, "gauge") + "".join(lines)
 
 

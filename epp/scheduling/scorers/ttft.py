@@ -52,7 +52,7 @@ class TtftScorer(Scorer, PostPick):
         # How much queued work counts against an endpoint relative to this request's own prefill.
         self.queue_weight = queue_weight
         self.prefill_rate = prefill_tokens_per_second
-        # Endpoint -> (prefill tokens queued at capacity 1, as of this wall-clock time).
+        # Endpoint -> (prefill tokens queued there, as of this wall-clock time).
         self._backlog: dict[str, tuple[float, float]] = {}
 
     def score(
