@@ -33,6 +33,7 @@ from epp.scheduling import (
     Filter,
     Picker,
     PostPick,
+    Prepare,
     Profile,
     Scorer,
     create_plugin,
@@ -469,4 +470,5 @@ def _profile(
         raise node.error(f"a profile needs exactly one picker, found {len(pickers)}")
     plugins: list[Plugin] = [*filters, *(s for s, _ in scorers), *pickers]
     hooks = [p for p in plugins if isinstance(p, PostPick)]
-    return Profile(name, filters, scorers, pickers[0], hooks)
+    preparers = [p for p in plugins if isinstance(p, Prepare)]
+    return Profile(name, filters, scorers, pickers[0], hooks, preparers)

@@ -53,6 +53,21 @@ class Router:
         """The ``GET /v1/models`` answer: every configured model across all pools."""
         return self._models_body
 
+    def needs_preparation(self) -> bool:
+        """Whether requests must pass through :meth:`prepare` before :meth:`route`."""
+        return bool(self._config.profile.prepare)
+
+    async def prepare(self, request: InferenceRequest) -> None:
+        """Await what the profile's plugins need before scoring (a long prompt's tokens); a
+        failure here only costs the request that plugin's information, never the request."""
+        for plugin in self._config.profile.prepare:
+            try:
+                await plugin.prepare(request, self.fleet)
+            except Exception:
+                log.exception(
+                    "plugin %s failed to prepare request %s", plugin.name, request.request_id
+                )
+
     def route(
         self, request: InferenceRequest, subset: Sequence[str] | None = None
     ) -> tuple[Decision, Ticket]:

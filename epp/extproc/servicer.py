@@ -36,6 +36,9 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
             async for message in request_iterator:
                 try:
                     answers = handler.handle(message)
+                    if handler.pending is not None:
+                        await self._router.prepare(handler.pending.request)
+                        answers = handler.resume()
                 except Exception:
                     # A bug must cost one request a clear 500, never the process or a hang.
                     log.exception("unexpected error handling an ext_proc message")

@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.errors import RequestError
 from epp.extproc import responses
 from epp.observability import REQUESTS
-from epp.request import parse_request
+from epp.request import InferenceRequest, parse_request
 from epp.router import Router
 from epp.state.inflight import Ticket
 
@@ -40,6 +41,15 @@ CONTROL_HEADERS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A parsed request held until the servicer has awaited its preparation."""
+
+    request: InferenceRequest
+    body: bytes
+    after: tuple[Response, ...]
+
+
 class StreamHandler:
     """Consumes one stream's ProcessingRequests and produces the ProcessingResponses to send."""
 
@@ -52,6 +62,7 @@ class StreamHandler:
         "_response_full_duplex",
         "_router",
         "_subset",
+        "pending",
         "ticket",
     )
 
@@ -66,6 +77,8 @@ class StreamHandler:
         self._done = False
         # In-flight accounting of the pick, released by the servicer when the stream ends.
         self.ticket: Ticket | None = None
+        # A parsed request waiting for the servicer to await Router.prepare.
+        self.pending: Pending | None = None
 
     def handle(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         kind = message.WhichOneof("request")
@@ -118,7 +131,7 @@ class StreamHandler:
     def _on_trailers(self) -> Sequence[Response]:
         # Full duplex with trailers: the body ended without an end_of_stream chunk.
         if not self._done and self._full_duplex:
-            return (*self._complete(), responses.CONTINUE_REQUEST_TRAILERS)
+            return self._complete(after=(responses.CONTINUE_REQUEST_TRAILERS,))
         return (responses.CONTINUE_REQUEST_TRAILERS,)
 
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
@@ -127,19 +140,42 @@ class StreamHandler:
         # Full-duplex responses must be echoed chunk by chunk; epp never changes them.
         return tuple(responses.body_chunks(body.body, body.end_of_stream, response=True))
 
-    def _complete(self) -> Sequence[Response]:
+    def _complete(self, after: Sequence[Response] = ()) -> Sequence[Response]:
+        """The body is whole: parse it, then route now, or leave it in :attr:`pending` when the
+        profile has preparation to await first (the servicer awaits it, then calls
+        :meth:`resume`). ``after`` follows the routing answer."""
         self._done = True
         body = b"".join(self._body)
         self._body.clear()
         headers = self._headers
-        path = headers.get(":path", "")
         try:
-            request = parse_request(path, headers, body, self._router.config.request)
+            request = parse_request(
+                headers.get(":path", ""), headers, body, self._router.config.request
+            )
+        except RequestError as error:
+            return (self._refuse(error), *after)
+        if self._router.needs_preparation():
+            self.pending = Pending(request, body, tuple(after))
+            return ()
+        return self._route(request, body, after)
+
+    def resume(self) -> Sequence[Response]:
+        """Route the :attr:`pending` request, once its preparation has been awaited."""
+        pending = self.pending
+        if pending is None:
+            return ()
+        self.pending = None
+        return self._route(pending.request, pending.body, pending.after)
+
+    def _route(
+        self, request: InferenceRequest, body: bytes, after: Sequence[Response]
+    ) -> Sequence[Response]:
+        try:
             decision, self.ticket = self._router.route(request, self._subset)
         except RequestError as error:
-            return (self._refuse(error),)
+            return (self._refuse(error), *after)
         destination = ",".join(e.address for e in decision.endpoints)
-        remove = _present(headers, CONTROL_HEADERS)
+        remove = _present(self._headers, CONTROL_HEADERS)
         scores = None
         if decision.scores is not None:
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
@@ -147,8 +183,9 @@ class StreamHandler:
             return (
                 responses.route_in_headers(destination, remove, len(body), scores),
                 *responses.body_chunks(body),
+                *after,
             )
-        return (responses.route_in_body(destination, remove, scores),)
+        return (responses.route_in_body(destination, remove, scores), *after)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""

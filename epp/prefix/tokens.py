@@ -29,12 +29,15 @@ whole call). Three things keep that off the request path:
    the stretch up to the next restart point must come out the same; if they do not, reuse is
    switched off for that tokenizer (logged once) and texts are tokenized whole.
 3. Long uncached stretches (more than ``max_inline_chars``) are tokenized in a worker thread
-   with ``encode_batch``, which releases the GIL; the request is scored without precise
-   prefix information (0 for every endpoint) and the next request with that prefix finds it.
+   with ``encode_batch``, which releases the GIL. :meth:`TokenizerRegistry.wait_for` lets the
+   request await that work before scheduling (the precise scorer bounds the wait); a request
+   that stops waiting is scored without precise ids and the next one with that prefix finds
+   them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -43,7 +46,7 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -150,6 +153,20 @@ class TokenizerRegistry:
             self._warn_once(f"{directory}\x00error", "%s: tokenizing failed: %r", directory, exc)
         return None
 
+    async def wait_for(self, request: InferenceRequest, max_inline_chars: int) -> None:
+        """Return once :meth:`token_ids` can answer ``request`` from the cache (or never
+        will): a long prompt's tokenization starts in the worker thread and this waits for it
+        while the event loop serves other streams. Callers bound the wait (``asyncio.timeout``);
+        a cancelled wait leaves the work running, for the next request with that prompt."""
+        if self.token_ids(request, max_inline_chars) is not None:
+            return
+        directory = self._dirs.get(request.model)
+        tokenizer = None if directory is None else self._loaded.get(directory)
+        text = None if tokenizer is None else tokenizer.text(request)
+        work = None if text is None or tokenizer is None else tokenizer.cache.pending(text)
+        if work is not None:
+            await asyncio.shield(asyncio.wrap_future(work))
+
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -179,20 +196,26 @@ class ModelTokenizer:
     def token_ids(
         self, request: InferenceRequest, max_inline_chars: int, executor: ThreadPoolExecutor
     ) -> Sequence[int] | None:
-        if request.api in ("chat", "responses"):
-            template = self.chat_template()
-            try:
-                text = template.render(parse_messages(request.prompt))
-            # The template rejected the conversation (raise_exception, a missing field): the
-            # engine will answer 400, and there is nothing to match.
-            except Exception as exc:
-                log.debug("chat template failed for request %s: %s", request.request_id, exc)
-                return None
-            return self.cache.encode(text, max_inline_chars, executor)
-        ids = self.cache.encode(request.prompt, max_inline_chars, executor)
-        if ids is None or not (self.head or self.tail):
+        text = self.text(request)
+        if text is None:
+            return None
+        ids = self.cache.encode(text, max_inline_chars, executor)
+        if ids is None or request.api in ("chat", "responses") or not (self.head or self.tail):
             return ids
         return self.head + ids + self.tail
+
+    def text(self, request: InferenceRequest) -> str | None:
+        """The text the engine tokenizes for ``request`` (chat: the rendered template)."""
+        if request.api not in ("chat", "responses"):
+            return request.prompt
+        template = self.chat_template()
+        try:
+            return template.render(parse_messages(request.prompt))
+        # The template rejected the conversation (raise_exception, a missing field): the
+        # engine will answer 400, and there is nothing to match.
+        except Exception as exc:
+            log.debug("chat template failed for request %s: %s", request.request_id, exc)
+            return None
 
     def chat_template(self) -> ChatTemplate:
         """The compiled chat template (compiled on first use: completions-only fleets need none)."""
@@ -418,7 +441,8 @@ class TokenCache:
         # (level, hash of the text's first `level` chars) -> texts, most recent last.
         self._anchors: dict[tuple[int, int], list[str]] = {}
         self._bytes = 0
-        self._pending: set[str] = set()
+        # Text -> its background tokenization, for callers that would rather wait for it.
+        self._pending: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
 
     def encode(
@@ -433,9 +457,13 @@ class TokenCache:
         with self._lock:
             if text in self._pending or len(self._pending) >= MAX_PENDING:
                 return None
-            self._pending.add(text)
-        executor.submit(self._complete_later, text)
+            self._pending[text] = executor.submit(self._complete_later, text)
         return None
+
+    def pending(self, text: str) -> Future[None] | None:
+        """The background tokenization of ``text``, if one is queued or running."""
+        with self._lock:
+            return self._pending.get(text)
 
     def plan(self, text: str) -> _Plan:
         with self._lock:
@@ -502,7 +530,7 @@ class TokenCache:
             log.exception("background tokenization failed")
         finally:
             with self._lock:
-                self._pending.discard(text)
+                self._pending.pop(text, None)
 
     def _longest_shared_prefix(self, text: str) -> tuple[_Entry | None, int]:
         for level in reversed(ANCHOR_LEVELS):

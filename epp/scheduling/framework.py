@@ -83,6 +83,15 @@ class Picker(Plugin):
     ) -> list[EndpointState]: ...
 
 
+class Prepare(Plugin):
+    """Work a plugin may have to wait for (tokenizing a long new prompt), done before the
+    decision so that scoring itself never waits. Only profiles with such a plugin pay for the
+    extra step; a plugin that is already ready returns at once."""
+
+    @abc.abstractmethod
+    async def prepare(self, request: InferenceRequest, fleet: FleetState) -> None: ...
+
+
 class PostPick(Plugin):
     """Told about every pick (after the decision), to update what scoring remembers."""
 
@@ -145,6 +154,7 @@ class Profile:
     scorers: list[tuple[Scorer, float]]
     picker: Picker
     post_pick: list[PostPick] = field(default_factory=list)
+    prepare: list[Prepare] = field(default_factory=list)
 
     def run(
         self,

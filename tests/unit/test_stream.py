@@ -182,3 +182,44 @@ async def test_pick_counts_in_flight_until_finished() -> None:
     assert (load.requests, load.tokens) == (1, len("hello") // 4 + 1 + 4)
     router.finish(handler.ticket)
     assert router.fleet.inflight.load("127.0.0.1:8002").requests == 0
+
+
+async def test_a_profile_with_preparation_holds_the_request_until_resumed() -> None:
+    """With a precise prefix scorer the servicer awaits Router.prepare between parsing and
+    routing; the answer (and, in full duplex with trailers, the trailers answer after it)
+    comes from resume()."""
+    router = await make_router()
+    router.config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+            "scheduling": {
+                "profile": "p",
+                "profiles": {
+                    "p": [
+                        {"plugin": "precise-prefix-cache-scorer"},
+                        {"plugin": "queue-scorer"},
+                        {"plugin": "max-score-picker"},
+                    ]
+                },
+            },
+        }
+    )
+    assert router.needs_preparation()
+    handler = StreamHandler(router)
+    handler.handle(headers_msg(mode=FULL_DUPLEX))
+    assert handler.handle(body_msg(BODY, eos=False)) == ()
+    assert handler.handle(trailers_msg()) == ()
+    assert handler.pending is not None
+    assert handler.pending.request.model == "tiny"
+    await router.prepare(handler.pending.request)
+    answers = handler.resume()
+    header, _ = destination(answers[0], "request_headers")
+    assert header.startswith("127.0.0.1:8002")
+    assert answers[-1].WhichOneof("response") == "request_trailers"
+    assert handler.pending is None
+    assert handler.resume() == ()
+
+
+def trailers_msg() -> ext_proc_pb2.ProcessingRequest:
+    return ext_proc_pb2.ProcessingRequest(request_trailers=ext_proc_pb2.HttpTrailers())

@@ -17,25 +17,32 @@ and ``cached_tokens`` (endpoint -> prompt tokens the engine will not recompute: 
 blocks, capped at ``prompt length - 1`` as vLLM caps a hit), which the TTFT scorer prefers over
 the approximate scorer's ``approx_cached_tokens``; list this scorer before it. Both are absent
 when the prompt's tokens are not known (no tokenizer configured for the model, a chat template
-that fails, a long prompt still being tokenized in the background): every endpoint then scores
-0 here and readers fall back to the approximate estimate.
+that fails, a long prompt whose tokenizing outlasts ``tokenize_wait``): every endpoint then
+scores 0 here and readers fall back to the approximate estimate.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epp.prefix.precise import chain_keys, root_key
 from epp.prefix.tokens import DEFAULT_MAX_INLINE_CHARS
 from epp.request import InferenceRequest
-from epp.scheduling.framework import Cycle, PostPick, Scorer, register
+from epp.scheduling.framework import Cycle, PostPick, Prepare, Scorer, register
+from epp.state.fleet import FleetState
 from epp.state.snapshot import EndpointState
+
+log = logging.getLogger(__name__)
 
 MATCH_KEY = "precise_prefix_match"
 CACHED_TOKENS_KEY = "cached_tokens"
 TOKEN_IDS_KEY = "prompt_token_ids"
 DEFAULT_SPECULATIVE_TTL = 2.0
+# Tokenizing a 32k-token prompt takes ~45 ms here; its prefill, cold, takes seconds on a GPU.
+DEFAULT_TOKENIZE_WAIT = 0.1
 # 64k tokens in 16-token blocks: keying costs ~0.3 us per block, matching beyond rarely decides.
 DEFAULT_MAX_BLOCKS = 4096
 
@@ -74,12 +81,14 @@ class PreciseMatch:
 
 
 @register("precise-prefix-cache-scorer")
-class PrecisePrefixCacheScorer(Scorer, PostPick):
+class PrecisePrefixCacheScorer(Scorer, PostPick, Prepare):
     """Score = engine-cached leading blocks / full blocks; speculative entries after a pick.
 
     ``max_inline_chars``: longest uncached stretch of prompt text tokenized on the request
-    path (~0.5 us per character here); longer ones are tokenized in the background and this
-    request gets no precise score. ``speculative_ttl`` 0 disables speculative entries.
+    path (~0.5 us per character here); longer ones are tokenized in a worker thread while the
+    request waits up to ``tokenize_wait`` seconds before scheduling (other requests go on
+    meanwhile); past that it is scored without precise ids and the next request with that
+    prompt finds them. ``speculative_ttl`` 0 disables speculative entries.
     """
 
     def __init__(
@@ -87,12 +96,27 @@ class PrecisePrefixCacheScorer(Scorer, PostPick):
         speculative_ttl: float = DEFAULT_SPECULATIVE_TTL,
         max_inline_chars: int = DEFAULT_MAX_INLINE_CHARS,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
+        tokenize_wait: float = DEFAULT_TOKENIZE_WAIT,
     ) -> None:
-        if speculative_ttl < 0 or max_inline_chars < 0 or max_blocks <= 0:
-            raise ValueError("speculative_ttl and max_inline_chars must be >= 0, max_blocks > 0")
+        if speculative_ttl < 0 or max_inline_chars < 0 or max_blocks <= 0 or tokenize_wait < 0:
+            raise ValueError(
+                "speculative_ttl, max_inline_chars and tokenize_wait must be >= 0, max_blocks > 0"
+            )
         self.speculative_ttl = speculative_ttl
         self.max_inline_chars = max_inline_chars
         self.max_blocks = max_blocks
+        self.tokenize_wait = tokenize_wait
+
+    async def prepare(self, request: InferenceRequest, fleet: FleetState) -> None:
+        if self.tokenize_wait <= 0:
+            return
+        try:
+            async with asyncio.timeout(self.tokenize_wait):
+                await fleet.tokenizers.wait_for(request, self.max_inline_chars)
+        except TimeoutError:
+            log.debug(
+                "request %s: no precise ids within %ss", request.request_id, self.tokenize_wait
+            )
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+
+from epp.prefix.tokens import TokenizerRegistry
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Profile, create_plugin
 from epp.scheduling.pickers.max_score import MaxScorePicker
@@ -127,3 +131,50 @@ def test_lora_requests_match_their_adapters_blocks() -> None:
     assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.0]
     request.lora = "ad"
     assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.2]
+
+
+def long_text_request(words: int = 3000) -> InferenceRequest:
+    rng = random.Random(words)
+    prompt = " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words))
+    return req(tokens=None, prompt=prompt)
+
+
+async def test_prepare_waits_for_a_long_new_prompt_so_it_is_scored_precisely() -> None:
+    fleet = FleetState()
+    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000)
+    request = long_text_request()
+    reference = TokenizerRegistry()  # its own cache: the prompt stays new to the fleet's
+    reference.set_models({"tiny": str(BUNDLED_DIR)})
+    engine_ids = reference.token_ids(request, max_inline_chars=10**9)
+    assert engine_ids is not None
+    engine_stores(fleet, "a", tuple(engine_ids), 5)
+
+    await scorer.prepare(request, fleet)
+    c = cycle(fleet)
+    assert scorer.score(request, [ep("a"), ep("b")], c) == [5 / (len(engine_ids) // BS), 0.0]
+    assert c.data[CACHED_TOKENS_KEY]["a"] == 5 * BS
+
+
+async def test_without_waiting_a_long_new_prompt_scores_zero_until_tokenized() -> None:
+    fleet = FleetState()
+    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000, tokenize_wait=0)
+    request = long_text_request()
+    await scorer.prepare(request, fleet)
+    assert scorer.score(request, [ep("a")], cycle(fleet)) == [0.0]
+    assert TOKEN_IDS_KEY not in cycle(fleet).data
+
+
+async def test_prepare_gives_up_after_tokenize_wait_and_the_work_goes_on() -> None:
+    fleet = FleetState()
+    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000, tokenize_wait=1e-6)
+    request = long_text_request(words=60_000)
+    await scorer.prepare(request, fleet)  # returns at once: far too short a wait
+    assert fleet.tokenizers.token_ids(request, 1000) is None
+    for _ in range(500):
+        if fleet.tokenizers.token_ids(request, 1000) is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert fleet.tokenizers.token_ids(request, 1000) is not None
