@@ -65,6 +65,8 @@ MESSAGE_SEP = "\x1e"
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # ~4 ms of tokenizer time here; longer uncached stretches go to the worker thread.
 DEFAULT_MAX_INLINE_CHARS = 8192
+# Chat renders kept for requests in flight between preparation and scoring.
+RENDERED_KEPT = 64
 # Spacing of restart points: reuse gives up at most this much of a shared prefix.
 RESTART_SPACING = 1024
 # A restart point used for reuse must end this far before the texts diverge: pre-tokenizer
@@ -192,6 +194,8 @@ class ModelTokenizer:
         self._template_error: str | None = None
         self.head, self.tail = _framing(self.tokenizer)
         self.cache = TokenCache(self.tokenizer, cache_bytes)
+        # id(request) -> (request, rendered chat text); the request is kept to rule out id reuse.
+        self._rendered: OrderedDict[int, tuple[InferenceRequest, str | None]] = OrderedDict()
 
     def token_ids(
         self, request: InferenceRequest, max_inline_chars: int, executor: ThreadPoolExecutor
@@ -205,17 +209,28 @@ class ModelTokenizer:
         return self.head + ids + self.tail
 
     def text(self, request: InferenceRequest) -> str | None:
-        """The text the engine tokenizes for ``request`` (chat: the rendered template)."""
+        """The text the engine tokenizes for ``request`` (chat: the rendered template).
+
+        A request is asked about twice (preparation, then scoring) and a long conversation
+        takes ~130 us to render, so the last few renders are kept, keyed by request object.
+        """
         if request.api not in ("chat", "responses"):
             return request.prompt
+        kept = self._rendered.get(id(request))
+        if kept is not None and kept[0] is request:
+            return kept[1]
         template = self.chat_template()
         try:
-            return template.render(parse_messages(request.prompt))
+            text: str | None = template.render(parse_messages(request.prompt))
         # The template rejected the conversation (raise_exception, a missing field): the
         # engine will answer 400, and there is nothing to match.
         except Exception as exc:
             log.debug("chat template failed for request %s: %s", request.request_id, exc)
-            return None
+            text = None
+        self._rendered[id(request)] = (request, text)
+        if len(self._rendered) > RENDERED_KEPT:
+            self._rendered.popitem(last=False)
+        return text
 
     def chat_template(self) -> ChatTemplate:
         """The compiled chat template (compiled on first use: completions-only fleets need none)."""
