@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,56 @@ class Row:
     router_cpu: float  # same for the router's processes (Envoy + epp, or the peer)
     send_lag: float  # worst lateness of the load generator against its schedule
     first_error: str = ""
+    rep: int = 0  # which repetition (``--repeat``) measured this row
+
+
+# Fields a median of repetitions is not taken of: identity, counts that add up, and the worst.
+_KEYS = ("workload", "router", "rate")
+_SUMMED = ("sent", "errors")
+
+
+def median_rows(rows: Sequence[Row]) -> list[Row]:
+    """One row per workload x router x rate: the median of its repetitions for every measured
+    figure, errors and requests summed over them, the worst send lag and the first error.
+    The median, not the mean, so one disturbed repetition (the machine is shared) does not
+    move the figure."""
+    groups: dict[tuple[str, str, float], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.workload, row.router, row.rate), []).append(row)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        merged = {}
+        for f in dataclasses.fields(Row):
+            values = [getattr(r, f.name) for r in group]
+            if f.name in _KEYS:
+                merged[f.name] = values[0]
+            elif f.name in _SUMMED:
+                merged[f.name] = sum(values)
+            elif f.name == "send_lag":
+                merged[f.name] = max(values)
+            elif f.name == "first_error":
+                merged[f.name] = next((v for v in values if v), "")
+            elif f.name == "rep":
+                merged[f.name] = 0
+            else:
+                median = statistics.median(values)
+                merged[f.name] = round(median) if f.type == "int" else median
+        out.append(Row(**merged))
+    return out
+
+
+def spread(rows: Sequence[Row], like: Row, figure: str) -> tuple[float, float]:
+    """Lowest and highest ``figure`` over the repetitions of ``like``'s workload x router x
+    rate."""
+    values = [
+        getattr(r, figure)
+        for r in rows
+        if (r.workload, r.router, r.rate) == (like.workload, like.router, like.rate)
+    ]
+    return min(values), max(values)
 
 
 @dataclass
@@ -46,6 +97,18 @@ class Run:
     slo: float  # TTFT p90 target (wall-clock seconds) for the summary
     unavailable: dict[str, str] = field(default_factory=dict)
     routers: dict[str, str] = field(default_factory=dict)  # name -> what it is
+    repeat: int = 1  # repetitions of every router x workload; rows holds each one
+
+    def medians(self) -> list[Row]:
+        return median_rows(self.rows)
+
+    def figure(self, row: Row, name: str, fmt: str) -> str:
+        """``row``'s figure, followed by its range over the repetitions when there are some."""
+        text = format(getattr(row, name), fmt)
+        if self.repeat == 1:
+            return text
+        low, high = spread(self.rows, row, name)
+        return f"{text} ({low:{fmt}}-{high:{fmt}})"
 
 
 def save_run(run: Run, path: Path) -> None:
@@ -129,7 +192,8 @@ def text_table(rows: Sequence[Row]) -> str:
 def summary(run: Run) -> list[str]:
     """Per workload and router: the highest offered rate served within the TTFT p90 target
     without errors, and the best throughput and hit rate seen."""
-    workloads = list(dict.fromkeys(r.workload for r in run.rows))
+    medians = run.medians()
+    workloads = list(dict.fromkeys(r.workload for r in medians))
     lines = [
         f"Highest offered rate (req/s) served with TTFT p90 <= {run.slo:g} s and no errors "
         "(`-`: none); in brackets the best output tokens/s and the hit rate at the highest "
@@ -141,7 +205,7 @@ def summary(run: Run) -> list[str]:
     for router in run.routers:
         cells = []
         for workload in workloads:
-            rows = [r for r in run.rows if r.router == router and r.workload == workload]
+            rows = [r for r in medians if r.router == router and r.workload == workload]
             if not rows:
                 cells.append("n/a")
                 continue
@@ -168,19 +232,31 @@ def _hit(row: Row | None) -> str:
     return f"{100 * row.hit_rate:.1f}% / {100 * row.oracle_hit_rate:.1f}% = {share:.0f}%"
 
 
+def _repeated(run: Run, then: str) -> str:
+    """The sentence saying figures are medians (and ``then``), when there were repetitions."""
+    if run.repeat == 1:
+        return ""
+    return (
+        f" Figures are medians of {run.repeat} repetitions (each on a fresh fleet, repetitions "
+        f"interleaved across routers); {then}."
+    )
+
+
 def targets(run: Run) -> list[str]:
     """The scheduling issue's three targets, checked against this run's rows: OURS's TTFT p90
     against the best other router at every rate, its throughput against THROUGHPUT_RIVAL's at
     the highest rate, and its hit rate against the oracle's there. Peers are every router not
     named ``epp-*`` (GIE's profile counts as a peer: it is GIE's algorithm on our plugins)."""
-    ours = [r for r in run.rows if r.router == OURS]
+    medians = run.medians()
+    ours = [r for r in medians if r.router == OURS]
     if not ours:
         return [f"`{OURS}` was not measured in this run."]
     lines = [
         f"Computed from the tables below. TTFT p90: `{OURS}` against the best peer at each rate "
         f"(peers: every router not named `epp-*`); `tie` = within {100 * TIE:.0f}%, the "
         "run-to-run noise here. Where every router's p90 is a cold prefill (low rates, few "
-        "hits yet) no placement can be faster and a tie is the best possible.",
+        "hits yet) no placement can be faster and a tie is the best possible."
+        + _repeated(run, "their ranges in brackets, verdicts on the medians"),
         "",
         "| workload | rate/s | epp p90 | best peer p90 | verdict |",
         "|---|---|---|---|---|",
@@ -189,7 +265,7 @@ def targets(run: Run) -> list[str]:
         for mine in (r for r in ours if r.workload == workload):
             peers = [
                 r
-                for r in run.rows
+                for r in medians
                 if r.workload == workload
                 and r.rate == mine.rate
                 and not r.router.startswith("epp-")
@@ -200,8 +276,9 @@ def targets(run: Run) -> list[str]:
             ratio = mine.ttft_p90 / best.ttft_p90 if best.ttft_p90 else math.inf
             verdict = "tie" if abs(ratio - 1) <= TIE else ("lower" if ratio < 1 else "HIGHER")
             lines.append(
-                f"| {workload} | {mine.rate:g} | {_secs(mine.ttft_p90)} | "
-                f"{_secs(best.ttft_p90)} (`{best.router}`) | {verdict} ({ratio:.2f}x) |"
+                f"| {workload} | {mine.rate:g} | {run.figure(mine, 'ttft_p90', '.3f')} | "
+                f"{run.figure(best, 'ttft_p90', '.3f')} (`{best.router}`) | "
+                f"{verdict} ({ratio:.2f}x) |"
             )
     lines += [
         "",
@@ -215,12 +292,12 @@ def targets(run: Run) -> list[str]:
     ]
     for workload in dict.fromkeys(r.workload for r in ours):
         top = max(r.rate for r in ours if r.workload == workload)
-        at = {r.router: r for r in run.rows if r.workload == workload and r.rate == top}
+        at = {r.router: r for r in medians if r.workload == workload and r.rate == top}
         mine, rival, precise = at[OURS], at.get(THROUGHPUT_RIVAL), at.get("epp-precise")
         ratio = f"{mine.out_tok_s / rival.out_tok_s:.2f}x" if rival and rival.out_tok_s else "-"
         lines.append(
-            f"| {workload} | {top:g} | {mine.out_tok_s:.0f} | "
-            f"{f'{rival.out_tok_s:.0f}' if rival else '-'} | {ratio} | {_hit(mine)} | "
+            f"| {workload} | {top:g} | {run.figure(mine, 'out_tok_s', '.0f')} | "
+            f"{run.figure(rival, 'out_tok_s', '.0f') if rival else '-'} | {ratio} | {_hit(mine)} | "
             f"{_hit(precise)} |"
         )
     return lines
@@ -258,19 +335,20 @@ def markdown(run: Run, images: Sequence[Path], doc_dir: Path) -> str:
         "coefficient of variation of requests served per replica (0 = perfectly even); "
         "preemptions from `vllm:num_preemptions_total`; errors / requests sent; CPU = share of "
         "one core used by the simulator processes and by the router (Envoy + epp, or the peer) "
-        "while the stage ran.",
+        "while the stage ran." + _repeated(run, "errors and requests are summed over them"),
         "",
     ]
-    for workload in dict.fromkeys(r.workload for r in run.rows):
+    medians = run.medians()
+    for workload in dict.fromkeys(r.workload for r in medians):
         lines += [f"### {workload}", ""]
         lines.append("| " + " | ".join(HEADER) + " |")
         lines.append("|" + "---|" * len(HEADER))
-        lines += ["| " + " | ".join(_cells(r)) + " |" for r in run.rows if r.workload == workload]
-        errors = {r.router: r.first_error for r in run.rows if r.workload == workload and r.errors}
+        lines += ["| " + " | ".join(_cells(r)) + " |" for r in medians if r.workload == workload]
+        errors = {r.router: r.first_error for r in medians if r.workload == workload and r.errors}
         if errors:
             lines += ["", "First error per router:", ""]
             lines += [f"- `{k}`: {v}" for k, v in errors.items()]
-        late = [r for r in run.rows if r.workload == workload and r.send_lag > LATE_S]
+        late = [r for r in medians if r.workload == workload and r.send_lag > LATE_S]
         if late:
             lines += ["", "The load generator fell behind its schedule (offered load was lower):"]
             lines += [f"- `{r.router}` at {r.rate:g}/s: {r.send_lag:.2f} s late" for r in late]

@@ -311,8 +311,14 @@ def caveats(args: argparse.Namespace) -> list[str]:
         "64 requests absolute / 1.5x relative).",
         "- Stages of one router run back to back on warm caches (the first starts cold, for "
         "every router), each request stream is deterministic (`--seed`), and only arrival times "
-        "depend on the rate. One run, no repetitions: differences of ~10% at low load are "
-        "within run-to-run noise; a busy machine (see the load average above) adds more.",
+        "depend on the rate. "
+        + (
+            f"Each router was measured {args.repeat} times; the tables show medians. "
+            if args.repeat > 1
+            else "One run, no repetitions (`--repeat N` adds them): "
+        )
+        + "a single run's throughput at saturation varies by ~10-20% and its TTFT p90 by "
+        "~10% at low load; a busy machine (see the load average above) adds more.",
         "- The oracle pins each group / conversation / adapter to one replica (spread evenly), "
         "replays the same requests one at a time through an LRU of each replica's full KV "
         "capacity and counts hits with vLLM's rules. It ignores queueing and the KV of requests "
@@ -334,6 +340,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rates", help="comma list of req/s for every workload (overrides)")
     parser.add_argument("--duration", type=float, help="seconds per stage (default 12, quick 6)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every router N times, each on a fresh fleet (tables show medians)",
+    )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument(
         "--sim-processes", type=int, default=2, help="simulator processes the fleet is split over"
@@ -384,7 +396,15 @@ def run(args: argparse.Namespace, command: str) -> Run:
             sys.exit(f"unknown routers: {', '.join(sorted(unknown))}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="epp-routing-"))
     fleet = make_fleet(args, workloads[0])
-    result = Run([], command, describe(fleet, workloads, args), caveats(args), machine(), args.slo)
+    result = Run(
+        [],
+        command,
+        describe(fleet, workloads, args),
+        caveats(args),
+        machine(),
+        args.slo,
+        repeat=args.repeat,
+    )
     print(f"routing benchmark; logs under {workdir}", flush=True)
     print("\n".join(result.setup), flush=True)
     for router in routers:
@@ -403,15 +423,25 @@ def run(args: argparse.Namespace, command: str) -> Run:
         )
         print(f"== {workload.name}: planning {len(rates)} stages ...", flush=True)
         stages = plan(workload, rates, args.duration, fleet)
-        for router in routers:
-            try:
-                result.rows += measure(
-                    router, workload, stages, fleet, args, workdir / router.name / workload.name
-                )
-            except (RuntimeError, OSError) as exc:
-                why = str(exc).splitlines()[0]
-                print(f"  {router.name}: failed on {workload.name}: {why}", flush=True)
-                result.unavailable[f"{router.name} on {workload.name}"] = why
+        # Repetitions go round the routers rather than one router N times in a row, so a slow
+        # spell of the shared machine lands on several routers instead of all of one.
+        for rep in range(args.repeat):
+            if args.repeat > 1:
+                print(f"  repetition {rep + 1}/{args.repeat}", flush=True)
+            for router in routers:
+                if f"{router.name} on {workload.name}" in result.unavailable:
+                    continue
+                logs = workdir / router.name / workload.name / str(rep)
+                try:
+                    rows = measure(router, workload, stages, fleet, args, logs)
+                except (RuntimeError, OSError) as exc:
+                    why = str(exc).splitlines()[0]
+                    print(f"  {router.name}: failed on {workload.name}: {why}", flush=True)
+                    result.unavailable[f"{router.name} on {workload.name}"] = why
+                    continue
+                for row in rows:
+                    row.rep = rep
+                result.rows += rows
     return result
 
 
@@ -439,9 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         save_run(result, args.output.with_suffix(".json"))
     print()
-    print(text_table(result.rows))
+    print(text_table(result.medians()))
     try:
-        images = plots(result.rows, args.img_dir)
+        images = plots(result.medians(), args.img_dir)
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)", flush=True)
         images = []

@@ -56,7 +56,7 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "lora-filter"},
     {"plugin": "kv-headroom-filter"},
     {"plugin": "prefix-cache-scorer", "weight": 3},
-    {"plugin": "session-affinity-scorer", "weight": 1},
+    {"plugin": "session-affinity-scorer", "weight": 3},
     {"plugin": "lora-affinity-scorer", "weight": 1},
     {"plugin": "inflight-load-scorer", "weight": 2},
     {"plugin": "ttft-scorer", "weight": 2},
