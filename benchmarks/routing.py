@@ -315,10 +315,12 @@ def caveats(args: argparse.Namespace) -> list[str]:
         + (
             f"Each router was measured {args.repeat} times; the tables show medians. "
             if args.repeat > 1
-            else "One run, no repetitions (`--repeat N` adds them): "
+            else "One run, no repetitions (`--repeat N` adds them). "
         )
-        + "a single run's throughput at saturation varies by ~10-20% and its TTFT p90 by "
-        "~10% at low load; a busy machine (see the load average above) adds more.",
+        + "A single run's throughput at saturation varies by ~10-20%, and where about a tenth "
+        "of the requests are cold prefills (shared-prefix at 10-16 req/s) its TTFT p90 jumps "
+        "between the warm and the cold latency (0.1-0.45 s) from run to run; a busy machine "
+        "(see the load average above) adds more.",
         "- The oracle pins each group / conversation / adapter to one replica (spread evenly), "
         "replays the same requests one at a time through an LRU of each replica's full KV "
         "capacity and counts hits with vLLM's rules. It ignores queueing and the KV of requests "
