@@ -31,9 +31,10 @@ Mode = Literal["buffered", "full-duplex"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free right now, from outside the ephemeral range (see free_port_run):
+    a port the kernel hands out for bind(0) can be taken by an outgoing connection before the
+    server that was meant to listen on it starts."""
+    return free_port_run(1)
 
 
 def envoy_binary() -> str:

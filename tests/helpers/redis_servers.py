@@ -14,15 +14,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from epp.devstack import free_port
+
 
 def available() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:

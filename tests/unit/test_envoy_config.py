@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp._proto import core_pb2, ext_proc_pb2, ext_proc_pb2_grpc
 from epp.config import Config, load_config, parse_config
+from epp.devstack import free_port
 from epp.envoy_config import (
     CONTROL_HEADERS,
     DESTINATION,
@@ -43,7 +44,7 @@ from epp.envoy_config import (
     render,
     run,
 )
-from tests.helpers.envoy import EnvoyProcess, envoy_binary, free_port, validate
+from tests.helpers.envoy import EnvoyProcess, envoy_binary, validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "envoy"

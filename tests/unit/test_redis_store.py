@@ -21,6 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from epp.devstack import free_port
 from epp.state.redis_store import RedisStore
 from epp.state.snapshot import EndpointMetrics, EndpointState
 from tests.unit.conftest import SHARED_URL, eventually
@@ -60,12 +61,6 @@ async def _get(url: str, key: str) -> bytes | None:
         return await client.get(key)
     finally:
         await client.aclose()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -148,7 +143,7 @@ async def test_retain_forgets_endpoints_and_stops_reading_them(stores) -> None:
 
 async def test_unreachable_redis_at_start_is_not_an_error(caplog) -> None:
     caplog.set_level(logging.INFO, logger="epp.state.redis_store")
-    store = RedisStore(f"redis://127.0.0.1:{_free_port()}/0", refresh_interval=TICK)
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", refresh_interval=TICK)
     await store.start()
     try:
         state = _state(time.time(), running=1)
@@ -207,7 +202,7 @@ class RedisServer:
 def own_redis() -> Iterator[RedisServer]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed")
-    port = _free_port()
+    port = free_port()
     server = RedisServer(port, "--port", str(port), "--requirepass", "s3cret")
     server.start()
     yield server
@@ -267,7 +262,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, Path]]:
         check=True,
         capture_output=True,
     )
-    port = _free_port()
+    port = free_port()
     server = RedisServer(
         port,
         *("--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"),

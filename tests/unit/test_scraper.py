@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
+from epp.devstack import free_port
 from epp.sources.scraper import MetricsScraper
 from epp.state.memory import MemoryStore
 from epp.state.snapshot import EndpointState
@@ -110,12 +110,6 @@ def _scrapes(address: str, result: str) -> float:
         REGISTRY.get_sample_value("epp_scrapes_total", {"endpoint": address, "result": result})
         or 0.0
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_endpoint_is_unready_until_first_scrape_then_ready(servers) -> None:
@@ -234,7 +228,7 @@ async def test_bad_answers_are_failures(servers, status: int, page: str) -> None
 
 async def test_dead_endpoint_does_not_affect_others(servers) -> None:
     good = await _server(servers)
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     store = MemoryStore()
     scraper = MetricsScraper(store, interval=0.02)
     scraper.set_endpoints({good.address: "p", dead: "p"})

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from epp.devstack import free_port
 from epp.state.fleet import FleetState
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import connect, hash_tag
@@ -103,7 +104,7 @@ def tls_auth_redis(tmp_path: Path) -> Iterator[tuple[redis_servers.RedisServer, 
         )
     except FileNotFoundError:
         pytest.skip("openssl not installed")
-    port = redis_servers.free_port()
+    port = free_port()
     server = redis_servers.RedisServer(
         tmp_path / "redis",
         *("--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from epp.devstack import free_port
 from epp.prefix.precise import chain_keys, root_key
 from epp.request import RequestPolicy, parse_request
 from epp.scheduling import Cycle
@@ -36,12 +36,6 @@ pytest.importorskip("jinja2")
 BLOCK_SIZE = 16
 LORA = "tiny-lora"
 ENDPOINT = "sim"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from epp.devstack import free_port
 from epp.sim.engine import EngineConfig
 from epp.sim.profiles import PROFILES
 from epp.sim.replica import Replica, ReplicaConfig
@@ -31,12 +31,6 @@ def engine_config(**overrides: Any) -> EngineConfig:
         time_scale=0.01,
     )
     return replace(base, **overrides)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ReplicaFactory = Callable[..., Any]
