@@ -380,6 +380,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.duration is None:
         args.duration = 6.0 if args.quick else 12.0
     return args
