@@ -36,8 +36,9 @@ class Row:
     rep: int = 0  # which repetition (``--repeat``) measured this row
 
 
-# Fields a median of repetitions is not taken of: identity, counts that add up, and the worst.
-_KEYS = ("workload", "router", "rate")
+# Fields a median of repetitions is not taken of: identity (a merged row keeps its first
+# repetition's ``rep``), counts that add up, and the worst.
+_KEYS = ("workload", "router", "rate", "rep")
 _SUMMED = ("sent", "errors")
 
 
@@ -65,8 +66,6 @@ def median_rows(rows: Sequence[Row]) -> list[Row]:
                 merged[f.name] = max(values)
             elif f.name == "first_error":
                 merged[f.name] = next((v for v in values if v), "")
-            elif f.name == "rep":
-                merged[f.name] = 0
             else:
                 median = statistics.median(values)
                 merged[f.name] = round(median) if f.type == "int" else median
