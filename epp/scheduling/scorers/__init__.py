@@ -2,6 +2,7 @@
 
 from epp.scheduling.scorers import (
     capacity,
+    kv_pressure,
     kv_utilization,
     load,
     lora,
@@ -14,6 +15,7 @@ from epp.scheduling.scorers import (
 
 __all__ = [
     "capacity",
+    "kv_pressure",
     "kv_utilization",
     "load",
     "lora",

@@ -1,0 +1,55 @@
+"""Keep requests off replicas whose KV cache their in-flight work is about to fill.
+
+A vLLM replica admits a request when its prompt fits, not when its whole output will: requests
+grow by a block every ``block_size`` output tokens, and when the cache runs out the engine stops
+admitting and preempts the newest running request (recomputing it later). A replica that serves
+a popular prefix or adapter from cache keeps winning on cache affinity until that happens, and
+the requests sent to it then wait for memory while other replicas have room.
+
+The scorer projects each endpoint's KV demand once this request is added: the tokens epp has in
+flight there (uncached prompt plus requested output, the same count the load scorer uses) or the
+scraped KV usage, whichever is larger, plus this request's own uncached prompt and output. It
+scores 1 up to ``start`` of the endpoint's cache and falls linearly to 0 when the cache is full,
+so it changes nothing on replicas with room (unlike ``kv-cache-utilization-scorer``, whose
+``1 - usage`` also pushes work off replicas that are busy only because they serve a cached
+prefix) and acts only where the engine would soon have to queue or preempt. Endpoints whose
+cache geometry is not known yet score 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epp.request import InferenceRequest
+from epp.scheduling.framework import Cycle, Scorer, register
+from epp.state.snapshot import EndpointState
+
+
+@register("kv-pressure-scorer")
+class KvPressureScorer(Scorer):
+    """``start``: the share of an endpoint's KV cache the projected demand may reach before
+    the score falls (default 0.8; must be below 1)."""
+
+    def __init__(self, start: float = 0.8) -> None:
+        if not 0.0 <= start < 1.0:
+            raise ValueError("start must be in [0, 1)")
+        self.start = start
+
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+    ) -> list[float]:
+        cached = cycle.cached_tokens()
+        scores = []
+        for c in candidates:
+            metrics = c.metrics
+            if not metrics.block_size or not metrics.num_gpu_blocks:
+                scores.append(1.0)
+                continue
+            # vLLM keeps one block as its null block; usage is reported over the rest.
+            capacity = (metrics.num_gpu_blocks - 1) * metrics.block_size
+            in_flight = cycle.fleet.inflight.load(c.address).tokens
+            held = max(in_flight, metrics.kv_usage * capacity)
+            demand = held + request.expected_tokens(cached.get(c.address, 0))
+            full = demand / capacity
+            scores.append(min(1.0, max(0.0, (1.0 - full) / (1.0 - self.start))))
+        return scores
