@@ -1,4 +1,4 @@
-"""Decision time of a cache- and load-aware profile: 64 endpoints, 32k-token (~128 KB) prompts.
+"""Decision time of epp's default profile: 64 endpoints, 32k-token (~128 KB) prompts.
 
 Measures what epp spends per request between a parsed request and a chosen endpoint: the
 cycle, every filter and scorer (prompt hashing, prefix matching), the picker and the post-pick
@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from epp.config import parse_config
+from epp.config import DEFAULT_PROFILE, parse_config
 from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Profile
@@ -37,19 +37,16 @@ GROUPS = 200
 
 
 def profile(max_blocks: int) -> Profile:
+    """epp's default profile, its hashing plugins capped at ``max_blocks``, plus the capacity
+    scorer (one more per-candidate loop, for fleets of unequal replicas)."""
     hashing = {"max_blocks": max_blocks}
-    entries: list[dict[str, Any]] = [
-        {"plugin": "ready-endpoint-filter"},
-        {"plugin": "lora-filter"},
-        {"plugin": "kv-headroom-filter", "parameters": hashing},
-        {"plugin": "prefix-cache-scorer", "weight": 3, "parameters": hashing},
-        {"plugin": "session-affinity-scorer", "weight": 2},
-        {"plugin": "lora-affinity-scorer", "weight": 1},
-        {"plugin": "capacity-scorer", "weight": 1},
-        {"plugin": "queue-scorer", "weight": 2},
-        {"plugin": "kv-cache-utilization-scorer", "weight": 2},
-        {"plugin": "max-score-picker"},
-    ]
+    entries: list[dict[str, Any]] = []
+    for entry in DEFAULT_PROFILE:
+        if entry["plugin"] in ("kv-headroom-filter", "prefix-cache-scorer"):
+            entry = {**entry, "parameters": hashing}
+        if entry["plugin"] == "max-score-picker":
+            entries.append({"plugin": "capacity-scorer", "weight": 1})
+        entries.append(entry)
     config = {
         "models": {"m": {"pools": ["p"]}},
         "pools": {"p": {"endpoints": ["10.0.0.1:8000"]}},

@@ -48,10 +48,8 @@ class ConfigError(ValueError):
 
 
 # The profile used when the file names none. Cache affinity and load meet in one unit in the
-# TTFT estimate; load is counted at pick time so bursts cannot herd between scrapes; KV pressure
-# moves work off a replica only when its projected KV demand nears the cache's size (before the
-# engine preempts); filters keep LoRA requests where the adapter can run and long prompts where
-# they fit. Chosen by
+# TTFT estimate; load is counted at pick time so bursts cannot herd between scrapes; filters keep
+# LoRA requests where the adapter can run and long prompts where they fit. Chosen by
 # benchmarks/routing.py (docs/benchmarks.md); GIE's 3:2:2 profile is in benchmarks/profiles.
 DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "ready-endpoint-filter"},
@@ -62,7 +60,6 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "lora-affinity-scorer", "weight": 1},
     {"plugin": "inflight-load-scorer", "weight": 2},
     {"plugin": "ttft-scorer", "weight": 2},
-    {"plugin": "kv-pressure-scorer", "weight": 4},
     {"plugin": "max-score-picker"},
 ]
 
