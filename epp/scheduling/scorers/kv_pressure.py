@@ -18,7 +18,7 @@ cache geometry is not known yet score 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, Scorer, register
@@ -28,17 +28,42 @@ from epp.state.snapshot import EndpointState
 @register("kv-pressure-scorer")
 class KvPressureScorer(Scorer):
     """``start``: the share of an endpoint's KV cache the projected demand may reach before
-    the score falls (default 0.8; must be below 1)."""
+    the score falls (default 0.8; must be below 1). ``protect_tokens``: when set, an endpoint
+    keeps score 1 if every endpoint with room caches more than this many fewer of the
+    request's prompt tokens: escaping the pressure would recompute (and store twice) a long
+    cached history, which costs more than waiting for memory."""
 
-    def __init__(self, start: float = 0.8) -> None:
+    def __init__(self, start: float = 0.8, protect_tokens: int | None = None) -> None:
         if not 0.0 <= start < 1.0:
             raise ValueError("start must be in [0, 1)")
+        if protect_tokens is not None and protect_tokens < 0:
+            raise ValueError("protect_tokens must be >= 0")
         self.start = start
+        self.protect_tokens = protect_tokens
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         cached = cycle.cached_tokens()
+        scores = self._pressure(request, candidates, cycle, cached)
+        if self.protect_tokens is None:
+            return scores
+        roomy = [
+            cached.get(c.address, 0) for c, s in zip(candidates, scores, strict=True) if s == 1
+        ]
+        elsewhere = max(roomy, default=0)
+        return [
+            1.0 if cached.get(c.address, 0) - elsewhere > self.protect_tokens else s
+            for c, s in zip(candidates, scores, strict=True)
+        ]
+
+    def _pressure(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle: Cycle,
+        cached: Mapping[str, int],
+    ) -> list[float]:
         scores = []
         for c in candidates:
             metrics = c.metrics

@@ -61,6 +61,28 @@ def test_cached_prompt_tokens_need_no_new_blocks() -> None:
     assert cold == 0.0
 
 
+def test_protect_tokens_keeps_a_long_cached_history_where_it_is() -> None:
+    """Two endpoints are full. "history" caches 3,000 more of the prompt's tokens than
+    the only endpoint with room: moving would recompute them, so its pressure is waived. With
+    a short cached prefix (LoRA task prompt) the same pressure still counts."""
+    request = req("x" * 16_000, max_tokens=100)  # 4,001 prompt tokens
+    eps = [geometry("history", 0.97), geometry("short", 0.97), geometry("roomy", 0.1)]
+    c = cycle()
+    c.data["approx_cached_tokens"] = {"history": 3_500, "short": 1_000, "roomy": 500}
+    plain = KvPressureScorer().score(request, eps, c)
+    protected = KvPressureScorer(protect_tokens=2048).score(request, eps, c)
+    assert plain[0] == plain[1] == 0.0
+    assert protected == [1.0, 0.0, 1.0]
+
+
+def test_protect_tokens_without_any_roomy_endpoint_stays_with_the_cache() -> None:
+    request = req("x" * 16_000, max_tokens=100)
+    eps = [geometry("history", 0.99), geometry("cold", 0.99)]
+    c = cycle()
+    c.data["approx_cached_tokens"] = {"history": 3_500}
+    assert KvPressureScorer(protect_tokens=2048).score(request, eps, c) == [1.0, 0.0]
+
+
 def test_unknown_cache_geometry_scores_one() -> None:
     assert KvPressureScorer().score(req("x"), [ep("unscraped", kv_usage=1.0)], cycle()) == [1.0]
 
@@ -69,6 +91,11 @@ def test_unknown_cache_geometry_scores_one() -> None:
 def test_start_must_leave_room_to_fall(start: float) -> None:
     with pytest.raises(ValueError, match="start"):
         KvPressureScorer(start=start)
+
+
+def test_protect_tokens_cannot_be_negative() -> None:
+    with pytest.raises(ValueError, match="protect_tokens"):
+        KvPressureScorer(protect_tokens=-1)
 
 
 def test_configurable_by_name_in_a_profile() -> None:
