@@ -31,6 +31,14 @@ class EndpointMetrics:
     prefix_cache_hits: float = 0.0
     preemptions: float = 0.0
 
+    @property
+    def usable_kv_blocks(self) -> int | None:
+        """KV blocks requests can use, the base of ``kv_usage`` (None until the cache geometry
+        is scraped). vLLM keeps one of ``num_gpu_blocks`` as its null block."""
+        if not self.block_size or not self.num_gpu_blocks:
+            return None
+        return self.num_gpu_blocks - 1
+
 
 @dataclass(frozen=True, slots=True)
 class EndpointState:

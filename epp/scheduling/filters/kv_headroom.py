@@ -60,9 +60,9 @@ def _free_tokens(metrics: EndpointMetrics) -> float:
     ``tokens <= free_blocks * block_size`` is the same test as ``ceil(tokens / block_size) <=
     free_blocks``: a partly filled last block takes a whole block.
     """
-    if not metrics.block_size or not metrics.num_gpu_blocks:
+    usable = metrics.usable_kv_blocks
+    if usable is None or metrics.block_size is None:
         return math.inf
-    # vLLM reports usage as used / (num_gpu_blocks - 1): one block is its reserved null block.
-    # Rounding recovers the integer count of free blocks from the ratio.
-    free_blocks = round((1.0 - metrics.kv_usage) * (metrics.num_gpu_blocks - 1))
+    # Rounding recovers the integer count of free blocks from the usage ratio.
+    free_blocks = round((1.0 - metrics.kv_usage) * usable)
     return free_blocks * metrics.block_size

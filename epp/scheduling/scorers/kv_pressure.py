@@ -67,11 +67,11 @@ class KvPressureScorer(Scorer):
         scores = []
         for c in candidates:
             metrics = c.metrics
-            if not metrics.block_size or not metrics.num_gpu_blocks:
+            usable = metrics.usable_kv_blocks
+            if usable is None or metrics.block_size is None:
                 scores.append(1.0)
                 continue
-            # vLLM keeps one block as its null block; usage is reported over the rest.
-            capacity = (metrics.num_gpu_blocks - 1) * metrics.block_size
+            capacity = usable * metrics.block_size
             in_flight = cycle.fleet.inflight.load(c.address).tokens
             held = max(in_flight, metrics.kv_usage * capacity)
             demand = held + request.expected_tokens(cached.get(c.address, 0))
