@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, Scorer, register
+from epp.scheduling.kv_demand import kv_held
 from epp.state.snapshot import EndpointState
 
 
@@ -66,15 +67,11 @@ class KvPressureScorer(Scorer):
     ) -> list[float]:
         scores = []
         for c in candidates:
-            metrics = c.metrics
-            usable = metrics.usable_kv_blocks
-            if usable is None or metrics.block_size is None:
+            room = kv_held(c, cycle)
+            if room is None:
                 scores.append(1.0)
                 continue
-            capacity = usable * metrics.block_size
-            in_flight = cycle.fleet.inflight.load(c.address).tokens
-            held = max(in_flight, metrics.kv_usage * capacity)
-            demand = held + request.expected_tokens(cached.get(c.address, 0))
-            full = demand / capacity
+            held, capacity = room
+            full = (held + request.expected_tokens(cached.get(c.address, 0))) / capacity
             scores.append(min(1.0, max(0.0, (1.0 - full) / (1.0 - self.start))))
         return scores

@@ -17,6 +17,15 @@ the endpoint's capacity weight. The scraped waiting queue (requests the engine h
 including ones other gateways sent) is a floor under that estimate. The model is per process:
 with several epp processes each counts its own picks, and the scraped queue covers the rest.
 
+A request that does not fit in an endpoint's KV cache waits too: vLLM admits it when its prompt
+fits, and as outputs grow the engine preempts its newest requests and recomputes them later.
+The tokens by which the endpoint's projected KV demand (what it holds plus this request's
+uncached prompt and output, :func:`~epp.scheduling.kv_demand.kv_held`) exceeds its cache
+count as ``kv_wait_factor`` (default 1) prefill tokens each. Putting memory in the same unit as
+cache affinity is the point: a chat whose 3,000-token history is cached stays home while the
+overflow there costs less than recomputing the history elsewhere, and a short request leaves a
+replica a hot prefix has filled (a fraction-of-cache penalty cannot tell the two apart).
+
 Score: ``(best + slack) / (estimate + slack)``, so the fastest endpoint scores 1 and one twice
 as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from dominating.
 """
@@ -27,6 +36,7 @@ from collections.abc import Sequence
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, PostPick, Scorer, register
+from epp.scheduling.kv_demand import kv_held
 from epp.state.snapshot import EndpointState
 
 
@@ -34,7 +44,11 @@ from epp.state.snapshot import EndpointState
 class TtftScorer(Scorer, PostPick):
     """``prefill_tokens_per_second``: a capacity-1 replica's prefill speed (an 8B model on one
     H100 computes roughly 10-20k prompt tokens/s). Too high underestimates queues, too low
-    spreads prefixes more than needed; within 2x of the truth either way changes little."""
+    spreads prefixes more than needed; within 2x of the truth either way changes little.
+    ``kv_wait_factor``: prefill tokens one token of KV overflow costs (0 turns the term off).
+    The overflow frees as running requests finish, over their remaining decode time, so the
+    factor is roughly that time times the prefill rate over the cache's size: about 1 for a
+    cache a few seconds of decoding fills."""
 
     def __init__(
         self,
@@ -42,16 +56,20 @@ class TtftScorer(Scorer, PostPick):
         slack_tokens: int = 64,
         queue_weight: float = 1.0,
         prefill_tokens_per_second: float = 10_000.0,
+        kv_wait_factor: float = 1.0,
     ) -> None:
         if tokens_per_request <= 0 or slack_tokens <= 0 or queue_weight < 0:
             raise ValueError("tokens_per_request and slack_tokens must be > 0, queue_weight >= 0")
         if prefill_tokens_per_second <= 0:
             raise ValueError("prefill_tokens_per_second must be > 0")
+        if kv_wait_factor < 0:
+            raise ValueError("kv_wait_factor must be >= 0")
         self.tokens_per_request = tokens_per_request
         self.slack = slack_tokens
         # How much queued work counts against an endpoint relative to this request's own prefill.
         self.queue_weight = queue_weight
         self.prefill_rate = prefill_tokens_per_second
+        self.kv_wait_factor = kv_wait_factor
         # Endpoint -> (prefill tokens queued there, as of this wall-clock time).
         self._backlog: dict[str, tuple[float, float]] = {}
 
@@ -59,6 +77,7 @@ class TtftScorer(Scorer, PostPick):
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         prompt = request.prompt_tokens()
+        output = request.expected_tokens(prompt)  # the requested output alone
         cached = cycle.cached_tokens()
         estimates = []
         for c in candidates:
@@ -67,7 +86,13 @@ class TtftScorer(Scorer, PostPick):
                 self.backlog(c.address, cycle), c.metrics.waiting * self.tokens_per_request
             )
             capacity = cycle.weights.get(c.address, 1.0)
-            estimates.append((self.queue_weight * queued + uncached) / capacity)
+            estimate = self.queue_weight * queued + uncached
+            if self.kv_wait_factor:
+                room = kv_held(c, cycle)
+                if room is not None:
+                    held, size = room
+                    estimate += self.kv_wait_factor * max(0.0, held + uncached + output - size)
+            estimates.append(estimate / capacity)
         best = min(estimates)
         return [(best + self.slack) / (e + self.slack) for e in estimates]
 
