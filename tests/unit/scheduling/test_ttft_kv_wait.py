@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from epp.config import ConfigError, parse_config
 from epp.scheduling.scorers.ttft import TtftScorer
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
@@ -70,3 +71,23 @@ def test_a_scraped_full_cache_counts_and_unknown_geometry_costs_nothing() -> Non
     assert full == pytest.approx((1_001 + 64) / (1_001 + 2_001 + 64))
     with pytest.raises(ValueError, match="kv_wait_factor"):
         TtftScorer(kv_wait_factor=-1.0)
+
+
+def test_the_factor_comes_from_the_profile_file_and_a_bad_one_names_its_key() -> None:
+    def config(factor: float) -> dict[str, object]:
+        entry = {"plugin": "ttft-scorer", "weight": 2, "parameters": {"kv_wait_factor": factor}}
+        return {
+            "models": {"m": {"pools": ["a"]}},
+            "pools": {"a": {"endpoints": ["127.0.0.1:8001"]}},
+            "scheduling": {
+                "profile": "p",
+                "profiles": {"p": [entry, {"plugin": "max-score-picker"}]},
+            },
+        }
+
+    ((scorer, _),) = parse_config(config(0.5)).profile.scorers
+    assert isinstance(scorer, TtftScorer)
+    assert scorer.kv_wait_factor == 0.5
+    bad = r"scheduling\.profiles\.p\[0\]: kv_wait_factor must be >= 0"
+    with pytest.raises(ConfigError, match=bad):
+        parse_config(config(-1.0))
