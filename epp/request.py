@@ -73,11 +73,14 @@ class InferenceRequest:
             return len(self.prompt_token_ids)
         return len(self.prompt) // CHARS_PER_TOKEN + 1
 
+    def output_tokens(self) -> int:
+        """The output it may generate: ``max_tokens``, or a typical length when absent."""
+        return DEFAULT_OUTPUT_TOKENS if self.max_tokens is None else self.max_tokens
+
     def expected_tokens(self, cached: int = 0) -> int:
         """The work this request puts on an engine: the prompt tokens it must compute (all
         but the ``cached`` ones, which the engine reuses) plus the output it may generate."""
-        output = DEFAULT_OUTPUT_TOKENS if self.max_tokens is None else self.max_tokens
-        return max(0, self.prompt_tokens() - cached) + output
+        return max(0, self.prompt_tokens() - cached) + self.output_tokens()
 
 
 def api_for_path(path: str) -> Api | None:

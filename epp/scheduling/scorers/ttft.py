@@ -77,7 +77,7 @@ class TtftScorer(Scorer, PostPick):
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         prompt = request.prompt_tokens()
-        output = request.expected_tokens(prompt)  # the requested output alone
+        output = request.output_tokens()
         cached = cycle.cached_tokens()
         estimates = []
         for c in candidates:
