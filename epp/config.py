@@ -58,7 +58,7 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "prefix-cache-scorer", "weight": 3},
     {"plugin": "session-affinity-scorer", "weight": 3},
     {"plugin": "lora-affinity-scorer", "weight": 1},
-    {"plugin": "inflight-load-scorer", "weight": 2},
+    {"plugin": "inflight-load-scorer", "weight": 3},
     {"plugin": "ttft-scorer", "weight": 2},
     {"plugin": "max-score-picker"},
 ]

@@ -29,7 +29,7 @@ def test_defaults_and_model_resolution() -> None:
     assert config.endpoints_for_model("nope") is None
     assert config.scrape.interval == 0.05
     assert config.server.extproc_port == 9002
-    assert [w for _, w in config.profile.scorers] == [3.0, 3.0, 1.0, 2.0, 2.0]
+    assert [w for _, w in config.profile.scorers] == [3.0, 3.0, 1.0, 3.0, 2.0]
     assert isinstance(config.profile.picker, MaxScorePicker)
 
 

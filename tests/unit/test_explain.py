@@ -52,7 +52,7 @@ async def test_debug_views() -> None:
     handler.handle(body_msg(BODY))
     async with TestClient(TestServer(build_app(router))) as client:
         found = await (await client.get("/debug/decisions/why-2")).json()
-        assert found["scores"]["127.0.0.1:8002"]["inflight-load-scorer"] == 2.0  # weight x 1
+        assert found["scores"]["127.0.0.1:8002"]["inflight-load-scorer"] == 3.0  # weight x 1
         missing = await client.get("/debug/decisions/nope")
         assert missing.status == 404
         endpoints = await (await client.get("/debug/endpoints")).json()
