@@ -104,8 +104,15 @@ async def processes(prefix: str, replica: Replica) -> AsyncIterator[list[Process
         await p.stop()
 
 
-def owner_and_follower(procs: list[Process], address: str) -> tuple[Process, Process]:
-    owner = next(p for p in procs if p.shared.leases.owned() == frozenset({address}))
+async def owner_and_follower(procs: list[Process], address: str) -> tuple[Process, Process]:
+    """Both processes can report the endpoint ready before either holds its lease (until then
+    each scrapes it as a lone epp would), so wait for the lease to settle on one of them."""
+
+    def owners() -> list[Process]:
+        return [p for p in procs if p.shared.leases.owned() == frozenset({address})]
+
+    await eventually(lambda: len(owners()) == 1, what="one lease owner")
+    owner = owners()[0]
     return owner, next(p for p in procs if p is not owner)
 
 
@@ -128,7 +135,7 @@ async def test_a_follower_never_flaps_and_sees_the_owner_verdict(
 ) -> None:
     address = replica.address
     await eventually(lambda: all(p.ready(address) for p in processes), what="both ready")
-    owner, follower = owner_and_follower(processes, address)
+    owner, follower = await owner_and_follower(processes, address)
 
     # The follower cannot reach the replica (a partition). Before leases it scraped anyway and
     # its failures flipped its view to unready between merges of the owner's fresher state.
@@ -155,7 +162,7 @@ async def test_a_new_owner_continues_the_failure_count(
 ) -> None:
     address = replica.address
     await eventually(lambda: all(p.ready(address) for p in processes), what="both ready")
-    owner, follower = owner_and_follower(processes, address)
+    owner, follower = await owner_and_follower(processes, address)
     await replica.stop()
     await eventually(lambda: follower.ready(address) is False, what="unready")
     failures = follower.store.snapshot().get(address).failures  # type: ignore[union-attr]
