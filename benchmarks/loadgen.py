@@ -42,7 +42,8 @@ class Outcome:
     ttft: float | None = None
     output_tokens: int = 0
     error: str = ""
-    # Event-loop time the request ended (answered, failed or timed out).
+    # Event-loop times the request was sent and ended (answered, failed or timed out).
+    started: float = 0.0
     finished: float = 0.0
 
     @property
@@ -77,7 +78,7 @@ async def _send(
 ) -> Outcome:
     loop = asyncio.get_running_loop()
     start = loop.time()
-    out = Outcome()
+    out = Outcome(started=start)
     try:
         async with (
             asyncio.timeout(limit_s),

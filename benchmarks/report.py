@@ -375,6 +375,18 @@ def markdown(run: Run, images: Sequence[Path], doc_dir: Path) -> str:
         "profile names a plugin epp does not have, or a peer that is not installed, is reported "
         "as unavailable and the run goes on.",
         "",
+        "When a stage's figures look wrong (a p99 far above its p90, throughput halved), rerun "
+        "it with `--trace --workdir DIR`: each stage then also writes "
+        "`DIR/<router>/<workload>/<rep>/trace-<rate>.jsonl`, every replica's waiting and running "
+        "requests and KV usage every 0.25 s, and every request's key (group, conversation or "
+        "adapter), send time, time to first token and end, and prints each replica's peak queue "
+        "and the slowest request under the stage's line:",
+        "",
+        "```sh",
+        ".venv/bin/python -m benchmarks.routing --workloads multi-turn --routers epp-default \\",
+        "    --trace --workdir /tmp/trace",
+        "```",
+        "",
         "## Caveats",
         "",
         *run.caveats,

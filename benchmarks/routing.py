@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import sys
@@ -34,7 +33,7 @@ import urllib.request
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.loadgen import StageRun, poisson_arrivals, run_stage
 from benchmarks.oracle import Oracle
@@ -49,6 +48,7 @@ from benchmarks.report import (
     text_table,
 )
 from benchmarks.routers import Fleet, FleetStack, Router, all_routers
+from benchmarks.trace import sum_samples, traced
 from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,8 @@ COUNTERS = (
     "vllm:request_success_total",
     "vllm:num_preemptions_total",
 )
-_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -104,11 +105,7 @@ def replica_counters(addresses: Sequence[str]) -> dict[str, dict[str, float]]:
     for address in addresses:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             page = resp.read().decode()
-        values = dict.fromkeys(COUNTERS, 0.0)
-        for name, value in _SAMPLE.findall(page):
-            if name in values:
-                values[name] += float(value)
-        out[address] = values
+        out[address] = sum_samples(page, COUNTERS)
     return out
 
 
@@ -172,7 +169,7 @@ def summarize(
     )
 
 
-def _run_async(coro: Coroutine[Any, Any, StageRun]) -> StageRun:
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
@@ -201,15 +198,20 @@ def measure(
             before = replica_counters(stack.replica_addresses)
             cpu_before = cpu_seconds(sim_pids), cpu_seconds(router_pids)
             wall = time.monotonic()
-            run = _run_async(
-                run_stage(
-                    url,
-                    [item.request for item in stage.items],
-                    stage.arrivals,
-                    request_timeout=args.request_timeout,
-                    drain_timeout=args.drain_timeout,
-                )
+            load = run_stage(
+                url,
+                [item.request for item in stage.items],
+                stage.arrivals,
+                request_timeout=args.request_timeout,
+                drain_timeout=args.drain_timeout,
             )
+            trace = ""
+            if args.trace:
+                keys = [item.key for item in stage.items]
+                path = workdir / f"trace-{stage.rate:g}.jsonl"
+                run, trace = _run_async(traced(load, stack.replica_addresses, keys, path))
+            else:
+                run = _run_async(load)
             wall = time.monotonic() - wall
             after = replica_counters(stack.replica_addresses)
             cpu = (
@@ -219,6 +221,8 @@ def measure(
             delta = {a: {k: after[a][k] - before[a][k] for k in COUNTERS} for a in after}
             row = summarize(workload.name, router.name, stage, run, delta, cpu)
             print(progress_line(row), flush=True)
+            if trace:
+                print(trace, flush=True)
             rows.append(row)
         return rows
     finally:
@@ -379,6 +383,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(written next to --output as .json by every run)",
     )
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write each stage's replica queues over time and every request's timing to "
+        "WORKDIR/<router>/<workload>/<rep>/trace-<rate>.jsonl (docs/benchmarks.md)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
