@@ -332,6 +332,13 @@ def caveats(args: argparse.Namespace) -> list[str]:
         "to reach at high load.",
         "- TTFT is measured at the first SSE chunk carrying generated text (not the chat role "
         "chunk); output tokens come from the final usage chunk. Output text is filler.",
+        "- Multi-turn arrivals are open loop like the others: each arrival is the next turn of "
+        "a random active conversation, whether or not that conversation's previous reply has "
+        "finished (its canned reply is in the prompt already). At 16-24 req/s over 24 "
+        "conversations a conversation gets a turn every 1-1.5 s while a reply takes 2.4 s or "
+        "more, so two or three turns of one conversation are often in flight at once, each "
+        "holding the whole history in KV; a chat user waits for the reply. Past saturation "
+        "this overstates the KV pressure of a real chat fleet at the same rate.",
     ]
 
 
