@@ -18,6 +18,7 @@ import re
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -89,35 +90,38 @@ async def traced(
         Sample(round(at - origin, 3), address, *(values[name] for name in GAUGES))
         for at, address, values in polled
     ]
+    requests = [
+        {
+            "key": key,
+            "sent": round(o.started - origin, 3),
+            "ttft": o.ttft,
+            "finished": round(o.finished - origin, 3),
+            "output_tokens": o.output_tokens,
+            "error": o.error,
+        }
+        for key, o in zip(keys, run.outcomes, strict=True)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for sample in samples:
             out.write(json.dumps({"replica_sample": asdict(sample)}) + "\n")
-        for key, o in zip(keys, run.outcomes, strict=True):
-            request = {
-                "key": key,
-                "sent": round(o.started - origin, 3),
-                "ttft": o.ttft,
-                "finished": round(o.finished - origin, 3),
-                "output_tokens": o.output_tokens,
-                "error": o.error,
-            }
+        for request in requests:
             out.write(json.dumps({"request": request}) + "\n")
-    return run, summary(samples, run, keys, origin, path)
+    return run, summary(samples, requests, path)
 
 
-def summary(
-    samples: Sequence[Sample], run: StageRun, keys: Sequence[str], origin: float, path: Path
-) -> str:
+def summary(samples: Sequence[Sample], requests: Sequence[dict[str, Any]], path: Path) -> str:
     """Each replica's longest waiting queue, and the request that waited longest for a token."""
     peaks: dict[str, float] = {}
     for s in samples:
         peaks[s.replica] = max(peaks.get(s.replica, 0.0), s.waiting)
     queues = " ".join(f"{peaks[r]:g}" for r in sorted(peaks)) or "-"
-    outcomes = zip(keys, run.outcomes, strict=True)
-    answered = [(o.ttft, o.started, key) for key, o in outcomes if o.ttft is not None]
+    answered = [r for r in requests if r["ttft"] is not None]
     worst = "no request answered"
     if answered:
-        ttft, started, key = max(answered)
-        worst = f"slowest first token {ttft:.2f}s (sent at {started - origin:.2f}s, {key})"
+        slowest = max(answered, key=lambda r: r["ttft"])
+        worst = (
+            f"slowest first token {slowest['ttft']:.2f}s "
+            f"(sent at {slowest['sent']:.2f}s, {slowest['key']})"
+        )
     return f"      trace: peak waiting per replica {queues}; {worst}; {path}"
