@@ -59,14 +59,18 @@ def test_targets_show_ranges_and_judge_on_medians() -> None:
     run = Run(rows, "cmd", [], [], "machine", 1.0, repeat=3)
     text = "\n".join(targets(run))
     assert "medians of 3 repetitions" in text
-    # p90 2.0 (1.0-9.0) against 2.5 (2.4-2.6): lower on the medians despite one bad repetition.
-    assert "| 2.000 (1.000-9.000) | 2.500 (2.400-2.600) (`sglang-router`) | lower (0.80x) |" in text
+    # p90 2.0 (1.0-9.0) against 2.5 (2.4-2.6): lower on the medians despite one bad repetition,
+    # and past saturation: even the best peer's p90 is over the run's 1 s.
+    assert (
+        "| 2.000 (1.000-9.000) | 2.500 (2.400-2.600) (`sglang-router`) | "
+        "lower (0.80x, past saturation) |"
+    ) in text
     assert "| 1800 (1000-2000) | 1200 (1100-1300) | 1.50x |" in text
 
 
 def test_a_single_run_reports_plain_figures() -> None:
-    rows = [_row("epp-default", 0, 1.0, 2000), _row("sglang-router", 0, 2.0, 1000)]
+    rows = [_row("epp-default", 0, 0.4, 2000), _row("sglang-router", 0, 0.8, 1000)]
     text = "\n".join(targets(Run(rows, "cmd", [], [], "machine", 1.0)))
     assert "repetitions" not in text
-    assert "| 1.000 | 2.000 (`sglang-router`) | lower (0.50x) |" in text
+    assert "| 0.400 | 0.800 (`sglang-router`) | lower (0.50x) |" in text
     assert median_rows(rows) == rows
