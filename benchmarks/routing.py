@@ -280,7 +280,7 @@ def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespa
         "about 16-24 req/s (~9.5 req/s completed), epp's profiles keep TTFT p90 under 1 s to "
         "about 24 req/s and complete ~15 req/s at 32. The default rates span all three. On "
         "the LoRA mix sglang-router collapses between 32 and 48 req/s (TTFT p90 0.1 -> 6.8 s), "
-        "epp and GIE's profile do not, even at 64 (p90 0.26 s and 0.15 s; 64 is the top rate "
+        "epp and GIE's profile do not, even at 64 (TTFT p90 under 0.3 s; 64 is the top rate "
         "because at 48 their throughput was simply the offered load). On the multi-turn mix "
         "every router reaches the fleet's KV bound near 24 req/s (~16-18 req/s completed, "
         "~2,000-2,250 tok/s); 32 shows who holds that plateau.",
