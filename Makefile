@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: bootstrap run run-ha test lint unit e2e contract protos bench-overhead bench-multi-epp clean
+.PHONY: bootstrap run run-ha test test-compose lint unit e2e contract protos bench-overhead bench-multi-epp clean
 
 bootstrap: $(STAMP)
 
@@ -22,9 +22,10 @@ REDIS_URL ?= redis://127.0.0.1:6379/0
 run-ha: $(STAMP)  ## as run, with two epp processes sharing state through Redis at $(REDIS_URL)
 	$(PY) -m epp dev --epps 2 --redis-url $(REDIS_URL)
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff (lint + format) and strict mypy over epp/ and benchmarks/ ([tool.mypy])
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: lint $(STAMP)  ## unit + end-to-end (real Envoy, real Redis, simulated vLLM)
 	$(PY) -m pytest -q
@@ -34,6 +35,9 @@ unit: $(STAMP)
 
 e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
+
+test-compose: $(STAMP)  ## slow tier: docker-compose.yml under rootful podman, local images (root)
+	bash tests/compose/run.sh
 
 contract: $(STAMP)  ## slow tier: simulator and epp against a real vLLM on CPU
 	bash tests/contract/setup_vllm.sh

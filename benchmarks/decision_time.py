@@ -25,7 +25,7 @@ from typing import Any
 from epp.config import DEFAULT_PROFILE, parse_config
 from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
-from epp.scheduling import Cycle, Profile
+from epp.scheduling import Cycle, Profile, build_profile
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
 
@@ -37,12 +37,12 @@ GROUPS = 200
 
 
 def profile(max_blocks: int) -> Profile:
-    """epp's default profile, its hashing plugins capped at ``max_blocks``, plus the capacity
+    """epp's default profile, its prefix hashing capped at ``max_blocks``, plus the capacity
     scorer (one more per-candidate loop, for fleets of unequal replicas)."""
     hashing = {"max_blocks": max_blocks}
     entries: list[dict[str, Any]] = []
     for entry in DEFAULT_PROFILE:
-        if entry["plugin"] in ("kv-headroom-filter", "prefix-cache-scorer"):
+        if entry["plugin"] == "prefix-cache-scorer":
             entry = {**entry, "parameters": hashing}
         if entry["plugin"] == "max-score-picker":
             entries.append({"plugin": "capacity-scorer", "weight": 1})
@@ -52,7 +52,7 @@ def profile(max_blocks: int) -> Profile:
         "pools": {"p": {"endpoints": ["10.0.0.1:8000"]}},
         "scheduling": {"profile": "bench", "profiles": {"bench": entries}},
     }
-    return parse_config(config).profile
+    return build_profile(parse_config(config).scheduling.selected)
 
 
 def endpoints(count: int, rng: random.Random) -> list[EndpointState]:

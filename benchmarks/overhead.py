@@ -25,13 +25,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from epp.config import parse_config
 from epp.devstack import Proc, envoy_binary, free_port, http_ok
-from epp.envoy_config import render
+from epp.envoy_config import Mode, render
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_PAGE = (
@@ -222,8 +222,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     bench = Bench(workdir)
     results: list[Result] = []
     bodies = {}
-    for label, size in SIZES.items():
-        prompt = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
+    for label, length in SIZES.items():
+        prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
         path = workdir / f"body-{label}.json"
         path.write_text(json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}))
         bodies[label] = path
@@ -291,7 +291,8 @@ def run(args: argparse.Namespace) -> list[Result]:
                         "front",
                         render(
                             config,
-                            mode=mode,
+                            # "-" labels only the plain-Envoy setup, which renders nothing here.
+                            mode=cast(Mode, mode),
                             listen=f"127.0.0.1:{listen}",
                             admin=f"127.0.0.1:{admin}",
                             extproc=[f"127.0.0.1:{grpc_port}"],
@@ -333,7 +334,8 @@ def _post_ok(port: int, body: Path) -> bool:
     )
     try:
         with urllib.request.urlopen(req, timeout=1) as resp:
-            return resp.status == 200
+            status: int = resp.status
+            return status == 200
     except OSError:
         return False
 

@@ -6,9 +6,10 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ def median_rows(rows: Sequence[Row]) -> list[Row]:
         if len(group) == 1:
             out.append(group[0])
             continue
-        merged: dict[str, object] = {}
+        merged: dict[str, Any] = {}
         for f in dataclasses.fields(Row):
             values = [getattr(r, f.name) for r in group]
             if f.name in _KEYS:
@@ -296,11 +297,11 @@ def targets(run: Run) -> list[str]:
         top = max(r.rate for r in ours if r.workload == workload)
         at = {r.router: r for r in medians if r.workload == workload and r.rate == top}
         mine, rival, precise = at[OURS], at.get(THROUGHPUT_RIVAL), at.get("epp-precise")
-        ratio = f"{mine.out_tok_s / rival.out_tok_s:.2f}x" if rival and rival.out_tok_s else "-"
+        speedup = f"{mine.out_tok_s / rival.out_tok_s:.2f}x" if rival and rival.out_tok_s else "-"
         lines.append(
             f"| {workload} | {top:g} | {run.figure(mine, 'out_tok_s', '.0f')} | "
-            f"{run.figure(rival, 'out_tok_s', '.0f') if rival else '-'} | {ratio} | {_hit(mine)} | "
-            f"{_hit(precise)} |"
+            f"{run.figure(rival, 'out_tok_s', '.0f') if rival else '-'} | {speedup} | "
+            f"{_hit(mine)} | {_hit(precise)} |"
         )
     return lines
 
@@ -408,7 +409,7 @@ def plots(rows: Sequence[Row], img_dir: Path) -> list[Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     workloads = list(dict.fromkeys(r.workload for r in rows))
     routers = list(dict.fromkeys(r.router for r in rows))
-    charts = (
+    charts: tuple[tuple[str, str, Callable[[Row], float], str], ...] = (
         ("routing-ttft-p90", "TTFT p90 (s)", lambda r: r.ttft_p90, "log"),
         ("routing-throughput", "output tokens/s", lambda r: r.out_tok_s, "zero"),
         ("routing-hit-rate", "prefix cache hit rate (%)", lambda r: 100 * r.hit_rate, "percent"),

@@ -137,7 +137,8 @@ def completion_ok(url: str, model: str = MODEL) -> bool:
     )
     try:
         with urllib.request.urlopen(req, timeout=2) as resp:
-            return resp.status == 200
+            status: int = resp.status
+            return status == 200
     except OSError:
         return False
 

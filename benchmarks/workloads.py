@@ -24,8 +24,8 @@ from functools import cache
 
 from benchmarks.loadgen import Request
 from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
+from epp.wire import SESSION_HEADER
 
-SESSION_HEADER = "x-session-token"
 MODEL = "tiny"
 
 

@@ -2,24 +2,40 @@
 
 - ``GET /metrics``: Prometheus exposition.
 - ``GET /debug/endpoints``: every endpoint as epp sees it now (ready, scraped metrics, age, the
-  in-flight work epp routed to it).
+  in-flight work epp routed to it, its passive-health circuit).
 - ``GET /debug/decisions`` and ``/debug/decisions/{request_id}``: why recent requests went where
   they did (every candidate's weighted scores), kept when ``routing.explain`` is on or the log
   level is debug. Clients can send their own ``x-request-id`` to find their request.
+
+``/metrics`` answers whoever reaches the port (Prometheus scrapes it from elsewhere). The
+``/debug`` views name every replica, its load and recent requests' ids, so they answer only
+loopback peers (``server.debug_access: local``, the default: ``kubectl port-forward``,
+``podman exec``, the host itself) or callers with ``Authorization: Bearer <server.debug_token>``;
+others get 403 with what to do. ``debug_access: any`` opens them to every caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import ipaddress
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from epp.config import ServerConfig
 from epp.router import Router
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-def build_app(router: Router) -> web.Application:
+
+def build_app(router: Router, server: ServerConfig | None = None) -> web.Application:
+    """``server`` says who may read ``/debug`` (default: loopback peers only)."""
+    server = server if server is not None else ServerConfig()
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -34,6 +50,7 @@ def build_app(router: Router) -> web.Application:
                 "consecutive_failures": state.failures,
                 "metrics": _jsonable(dataclasses.asdict(state.metrics)),
                 "in_flight": dataclasses.asdict(inflight.load(address)),
+                "health": router.fleet.health.describe(address, now),
             }
             for address, state in sorted(router.fleet.store.snapshot().endpoints.items())
         }
@@ -54,12 +71,46 @@ def build_app(router: Router) -> web.Application:
             )
         return web.json_response(found)
 
-    app = web.Application()
+    app = web.Application(middlewares=[_debug_guard(server)])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/endpoints", endpoints)
     app.router.add_get("/debug/decisions", decisions)
     app.router.add_get("/debug/decisions/{request_id}", decision)
     return app
+
+
+def _debug_guard(server: ServerConfig) -> Middleware:
+    expected = f"Bearer {server.debug_token}".encode() if server.debug_token else None
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        sent = request.headers.get("Authorization", "").encode()
+        if (
+            not request.path.startswith("/debug")
+            or server.debug_access == "any"
+            or _loopback(request.remote)
+            or (expected is not None and hmac.compare_digest(sent, expected))
+        ):
+            return await handler(request)
+        return web.json_response(
+            {
+                "error": "/debug answers only local callers: use kubectl port-forward or run "
+                "curl on the host, send 'Authorization: Bearer <server.debug_token>', or set "
+                "server.debug_access: any (docs/security.md)"
+            },
+            status=403,
+        )
+
+    return guard
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        address = ipaddress.ip_address(remote or "")
+    except ValueError:  # no peer address (a Unix socket): not a local TCP caller
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return bool((mapped or address).is_loopback)
 
 
 def _jsonable(value: object) -> object:

@@ -1,4 +1,4 @@
-"""The ``epp`` command: ``serve``, ``sim``, ``envoy-config``, ``dev``."""
+"""The ``epp`` command: ``serve``, ``check-config``, ``sim``, ``envoy-config``, ``dev``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from epp import __version__
-from epp.config import ConfigError, StoreConfig, load_config
+from epp.config import ConfigError, StoreConfig, load_config, server_problems
+from epp.discovery import DiscoveryOptions
+from epp.discovery.spec import kubernetes_override
 from epp.observability import setup_logging
 
 
@@ -16,11 +18,13 @@ def _serve(args: argparse.Namespace) -> int:
     from epp.server import serve
 
     try:
-        config = load_config(args.config)
+        loaded = load_config(args.config)
     except ConfigError as exc:
-        print(f"epp: invalid configuration: {exc}", file=sys.stderr)
-        print("epp: fix the key named above and start again.", file=sys.stderr)
+        for error in exc.errors:
+            print(f"epp: invalid configuration: {error}", file=sys.stderr)
+        print("epp: fix the keys named above and start again.", file=sys.stderr)
         return 2
+    config = loaded
     if args.redis_url:
         config = replace(
             config, store=StoreConfig("redis", args.redis_url, config.store.key_prefix)
@@ -38,8 +42,38 @@ def _serve(args: argparse.Namespace) -> int:
         if v is not None
     }
     config = replace(config, server=replace(server, **overrides))
+    problems = server_problems(config.server, "command line")
+    for problem in problems:
+        print(f"epp: invalid configuration: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     setup_logging(config.server.log_level)
-    return serve(Path(args.config), config)
+    sources = {}
+    if args.pool_name:
+        try:
+            sources = kubernetes_override(
+                config.pools, args.pool_name, args.pool_namespace, args.kubeconfig
+            )
+        except ValueError as exc:
+            print(f"epp: {exc}", file=sys.stderr)
+            return 2
+    return serve(
+        Path(args.config), config, loaded=loaded, discovery=DiscoveryOptions(sources, args.eds_dir)
+    )
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Validate exactly as ``serve`` does at start and on reload; every error on its own line."""
+    try:
+        load_config(args.file)
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(error)
+        count = len(exc.errors)
+        print(f"{args.file}: {count} error{'s' if count != 1 else ''}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: valid")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,11 +89,42 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", "-c", required=True, help="epp YAML configuration file")
     serve.add_argument("--redis-url", help="share state through Redis (overrides store:)")
     serve.add_argument("--host", help="listen address (default from config: 0.0.0.0)")
-    serve.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
-    serve.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    # GIE's EPP flag names are accepted too, so manifests written for it carry over.
+    serve.add_argument(
+        "--port", "--grpc-port", dest="port", type=int, help="ext_proc gRPC port (default 9002)"
+    )
+    serve.add_argument(
+        "--health-port",
+        "--grpc-health-port",
+        dest="health_port",
+        type=int,
+        help="gRPC health port (default 9003)",
+    )
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 9090)")
+    serve.add_argument(
+        "--pool-name",
+        help="feed the configured pool from this InferencePool's pods (docs/discovery.md)",
+    )
+    serve.add_argument(
+        "--pool-namespace", default="default", help="namespace of --pool-name (default: default)"
+    )
+    serve.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file for --pool-name (default: the pod's service account)",
+    )
+    serve.add_argument(
+        "--eds-dir",
+        help="write Envoy's EDS file here (the directory given to epp envoy-config --eds-dir)",
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a configuration file as serve would; exit 0 if valid, 1 if not",
+    )
+    check.add_argument("file", help="epp YAML configuration file")
+    check.set_defaults(func=_check_config)
 
     add_sim(sub)
     add_envoy_config(sub)

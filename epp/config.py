@@ -1,51 +1,93 @@
-"""The one YAML file that configures epp, validated up front with errors naming the bad key.
+"""The one YAML file that configures epp: plain frozen data, validated up front.
 
 Shape (every section optional except ``models`` and ``pools``)::
 
     models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR}}
-    pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}}
-    server:   {host, extproc_port, health_port, metrics_port, log_level}
+    pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}
+                    | {discovery: {dns: {...}} | {kubernetes: {...}}},
+                     metrics_tls: {ca, cert, key, server_name}}  (docs/discovery.md, security.md)
+    server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
+               tls: {cert, key, client_ca}, debug_access: local|any, debug_token}
     scrape:   {interval, timeout, failure_threshold}
-    routing:  {fallbacks, max_body_bytes, explain}
-    request:  {session_header, priority_header, objective_header, objectives: {NAME: int}}
-    admission: {queue_threshold, kv_threshold, stale_seconds}
+    routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage}
+    autoscaling: {target_utilisation, replica_concurrency, window_seconds}
+    request:  {session_header, priority_header, objective_header, fairness_header,
+               objectives: {NAME: int}, trusted_headers, api_keys: {KEY: {tenant, objective}}}
+    admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
+                max_requests, max_tokens, sheddable_reserve, capacity, ttl,
+                bands: {PRIORITY: {capacity, ttl}}}
     scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
     store:    {backend: memory|redis, redis_url, key_prefix}
+    health:   {enabled, consecutive_failures, error_rate, window_seconds, min_requests, ...}
+              (passive health, docs/health.md)
 
-A :class:`Config` is immutable; reloading builds a new one and swaps it in, so requests in
-flight finish with the configuration they started with.
+Validation reads the whole file and reports every problem, each with its key path
+(``scheduling.plugins[0].parameters.tokens_per_request: must be an integer >= 1, got 1.5``), in
+one :class:`ConfigError`; every profile is checked, selected or not. A :class:`Config` holds no
+live objects: the router builds the selected profile's plugins from its specification
+(:mod:`epp.scheduling.builder`). :data:`SECTIONS` says which sections a reload applies.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hmac
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import yaml
 
 from epp.admission import SaturationDetector
+from epp.admission.flow_queue import BandLimits, QueueLimits
 from epp.admission.saturation import DEFAULT_STALE_SECONDS
-from epp.request import RequestPolicy
-from epp.scheduling import (
-    Filter,
-    Picker,
-    PostPick,
-    Prepare,
-    Profile,
-    Scorer,
-    create_plugin,
-    plugin_types,
-)
-from epp.scheduling.framework import Plugin
+from epp.discovery.spec import DiscoverySpec, parse_discovery
+from epp.metrics.demand import DemandPolicy
+from epp.request import ApiKey, RequestPolicy
+from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
+from epp.scheduling.params import parse_params
+from epp.state.health import HealthConfig
 from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
+from epp.tls import ClientTls, ServerTls, client_tls_problems, server_tls_problems
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message starts with the dotted path of the bad key."""
+    """Configuration problems; ``errors`` lists every one, each starting with the file and the
+    dotted path of the bad key."""
 
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class Reload(enum.Enum):
+    """What a configuration reload does with a changed section."""
+
+    APPLIED = "reloadable"
+    RESTART = "restart-only"
+
+
+# Every top-level section and what a reload does with it; the reload logic (epp.server) reads
+# only this table. Restart-only sections are bound when the process starts: listening sockets
+# (server) and the state store's connections (store).
+SECTIONS: Mapping[str, Reload] = {
+    "models": Reload.APPLIED,
+    "pools": Reload.APPLIED,
+    "server": Reload.RESTART,
+    "scrape": Reload.APPLIED,
+    "routing": Reload.APPLIED,
+    "request": Reload.APPLIED,
+    "admission": Reload.APPLIED,
+    "autoscaling": Reload.APPLIED,
+    "scheduling": Reload.APPLIED,
+    "store": Reload.RESTART,
+    "health": Reload.APPLIED,
+}
 
 # The profile used when the file names none. Cache affinity and load meet in one unit in the
 # TTFT estimate; load is counted at pick time so bursts cannot herd between scrapes; filters keep
@@ -75,6 +117,13 @@ class ServerConfig:
     # another epp, then give open streams (long generations) this long to finish.
     drain_seconds: float = 3.0
     shutdown_grace_seconds: float = 30.0
+    # TLS (mutual with a client CA) on all three listeners; None: plaintext.
+    tls: ServerTls | None = None
+    # Who may read /debug/* on the metrics port: loopback peers only ("local": kubectl
+    # port-forward, podman exec, the host itself), or anyone who reaches the port ("any").
+    # A caller with "Authorization: Bearer <debug_token>" is let in from anywhere.
+    debug_access: str = "local"
+    debug_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +139,22 @@ class RoutingConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     # Send every candidate's scores in the x-epp-scores response header (debugging aid).
     explain: bool = False
+    # With a token, only requests carrying "x-epp-explain: <token>" get the scores (the header
+    # is removed before the request goes upstream); without one, every client does.
+    explain_token: str = ""
+    # Add stream_options.include_usage to streaming requests that lack it, so epp learns their
+    # token usage, and remove the extra usage chunk from what the client receives.
+    inject_stream_usage: bool = False
+
+    def explains_to(self, token: str | None) -> bool:
+        """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
+        if not self.explain:
+            return False
+        if not self.explain_token:
+            return True
+        return token is not None and hmac.compare_digest(
+            token.encode(), self.explain_token.encode()
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +176,54 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulingConfig:
+    """Every profile of the file (plus the built-in ``default`` unless the file defines one)
+    and the one in use."""
+
+    profile: str = "default"
+    profiles: Mapping[str, ProfileSpec] = field(default_factory=dict)
+
+    @property
+    def selected(self) -> ProfileSpec:
+        return self.profiles[self.profile]
+
+
+AdmissionMode = Literal["off", "shed", "queue"]
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControl:
+    """What happens when a pool is saturated (docs/admission.md): ``off`` routes anyway,
+    ``shed`` refuses sheddable (priority < 0) work with 429 and routes the rest, ``queue``
+    holds every request in priority bands until the pool has room."""
+
+    mode: AdmissionMode = "shed"
+    limits: QueueLimits = field(default_factory=QueueLimits)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     models: Mapping[str, ModelConfig]
     pools: Mapping[str, tuple[str, ...]]
-    profile: Profile
+    scheduling: SchedulingConfig
     server: ServerConfig = field(default_factory=ServerConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     request: RequestPolicy = field(default_factory=RequestPolicy)
     admission: SaturationDetector = field(default_factory=SaturationDetector)
+    autoscaling: DemandPolicy = field(default_factory=DemandPolicy)
+    flow_control: FlowControl = field(default_factory=lambda: FlowControl())
     store: StoreConfig = field(default_factory=StoreConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     # Relative capacity of endpoints (default 1.0): a replica of weight 2 takes twice the work.
     weights: Mapping[str, float] = field(default_factory=dict)
     # ZMQ address of each endpoint's vLLM KV-event publisher (tcp://host:port), where known.
     kv_events: Mapping[str, str] = field(default_factory=dict)
+    # Pools whose endpoints are discovered (their ``pools`` entry starts empty; the server
+    # fills it in as the source publishes, see epp.discovery).
+    discovery: Mapping[str, DiscoverySpec] = field(default_factory=dict)
+    # Pools whose replicas serve /metrics over https, and how to verify them.
+    metrics_tls: Mapping[str, ClientTls] = field(default_factory=dict)
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -140,84 +239,107 @@ class Config:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML file; raise :class:`ConfigError` naming the bad key."""
+    """Read and validate a YAML file; raise :class:`ConfigError` listing every problem."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read configuration file: {exc.strerror}") from None
+        raise ConfigError([f"{path}: cannot read configuration file: {exc.strerror}"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
     return parse_config(data, source=str(path))
 
 
 def parse_config(data: Any, source: str = "<config>") -> Config:
-    root = _Node(data, "", source)
-    root.only(
-        "models",
-        "pools",
-        "server",
-        "scrape",
-        "routing",
-        "request",
-        "admission",
-        "scheduling",
-        "store",
-    )
+    errors: list[str] = []
+    root = _Node(data, "", source, errors)
+    if data is not None and not isinstance(data, dict):
+        root.mapping()
+        raise ConfigError(errors)
+    root.only(*SECTIONS)
     pools = _pools(root.child("pools", required=True))
     scrape = _scrape(root.child("scrape"))
-    models = _models(root.child("models", required=True), pools.endpoints)
-    return Config(
-        models=models,
+    admission = root.child("admission")
+    config = Config(
+        models=_models(root.child("models", required=True), pools.endpoints),
         pools=pools.endpoints,
-        profile=_scheduling(root.child("scheduling")),
+        scheduling=_scheduling(root.child("scheduling")),
         server=_server(root.child("server")),
         scrape=scrape,
         routing=_routing(root.child("routing")),
         request=_request(root.child("request")),
-        admission=_admission(root.child("admission"), scrape.interval),
+        autoscaling=_autoscaling(root.child("autoscaling")),
+        admission=_admission(admission, scrape.interval),
+        flow_control=_flow_control(admission),
         store=_store(root.child("store")),
+        health=_health(root.child("health")),
         weights=pools.weights,
         kv_events=pools.kv_events,
+        discovery=pools.discovery,
+        metrics_tls=pools.metrics_tls,
         source=source,
     )
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def server_problems(server: ServerConfig, source: str = "<config>") -> list[str]:
+    """Port problems of a server section, also after command-line overrides: every port in
+    1..65535, and no two servers on one port."""
+    problems = []
+    first: dict[int, str] = {}
+    for key in ("extproc_port", "health_port", "metrics_port"):
+        port = getattr(server, key)
+        if not 1 <= port <= 65535:
+            problems.append(f"{source}: server.{key}: must be an integer in [1, 65535], got {port}")
+        elif port in first:
+            problems.append(
+                f"{source}: server.{key}: must differ from server.{first[port]}, both {port}"
+            )
+        first.setdefault(port, key)
+    return problems
 
 
 class _Node:
-    """A value in the YAML tree that knows its dotted path, for error messages."""
+    """A value in the YAML tree that knows its dotted path; problems are collected in
+    ``errors`` (shared by the whole tree) and parsing goes on with a default, so one pass
+    reports everything."""
 
-    def __init__(self, value: Any, path: str, source: str) -> None:
+    def __init__(self, value: Any, path: str, source: str, errors: list[str]) -> None:
         self.value = value
         self.path = path
         self.source = source
+        self.errors = errors
 
-    def error(self, message: str) -> ConfigError:
-        where = self.path or "(top level)"
-        return ConfigError(f"{self.source}: {where}: {message}")
+    def report(self, message: str) -> None:
+        self.errors.append(f"{self.source}: {self.path or '(top level)'}: {message}")
 
     def mapping(self) -> Mapping[str, Any]:
         if self.value is None:
             return {}
         if not isinstance(self.value, dict):
-            raise self.error(f"must be a mapping, got {type(self.value).__name__}")
+            self.report(f"must be a mapping, got {type(self.value).__name__}")
+            self.value = {}  # reported once; read as empty from now on
         return self.value
 
     def only(self, *keys: str) -> None:
         for key in self.mapping():
             if key not in keys:
-                raise self.at(str(key)).error(f"unknown key (expected one of: {', '.join(keys)})")
+                self.at(str(key)).report(f"must be one of the known keys: {', '.join(keys)}")
 
     def at(self, key: str | int) -> _Node:
-        path = f"{self.path}[{key}]" if isinstance(key, int) else f"{self.path}.{key}".lstrip(".")
-        value = self.value[key] if isinstance(key, int) else self.mapping().get(key)
-        return _Node(value, path, self.source)
+        if isinstance(key, int):
+            return _Node(self.value[key], f"{self.path}[{key}]", self.source, self.errors)
+        path = f"{self.path}.{key}".lstrip(".")
+        return _Node(self.mapping().get(key), path, self.source, self.errors)
 
     def child(self, key: str, required: bool = False) -> _Node:
         node = self.at(key)
         if required and node.value is None:
-            raise node.error("is required")
+            node.report("must be set")
         return node
 
     def items(self) -> list[tuple[str, _Node]]:
@@ -227,39 +349,65 @@ class _Node:
         if self.value is None:
             return []
         if not isinstance(self.value, list):
-            raise self.error(f"must be a list, got {type(self.value).__name__}")
+            self.report(f"must be a list, got {type(self.value).__name__}")
+            self.value = []  # reported once; read as empty from now on
         return [self.at(i) for i in range(len(self.value))]
 
-    def get(self, key: str, kind: type, default: Any) -> Any:
+    def get(self, key: str, kind: type[T], default: T) -> T:
         node = self.at(key)
         value = node.value
         if value is None:
             return default
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise node.error(f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+            value = float(value)
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return value
+        node.report(f"must be {_NAMES.get(kind, kind.__name__)}, got {value!r}")
+        return default
+
+    def integer(self, key: str, default: int, *, ge: int) -> int:
+        value = self.get(key, int, default)
+        if value < ge:
+            self.at(key).report(f"must be an integer >= {ge}, got {value!r}")
+            return default
         return value
 
-    def positive(self, key: str, kind: type, default: Any, minimum: float = 0) -> Any:
-        value = self.get(key, kind, default)
-        if value < minimum or (minimum == 0 and value == 0 and kind is float):
-            raise self.at(key).error(f"must be > {minimum}" if kind is float else f">= {minimum}")
-        return value
+    def real(self, key: str, default: float, *, ge: float | None = None) -> float:
+        """A number ``>= ge`` when given, else ``> 0``."""
+        value = self.get(key, float, default)
+        if value >= ge if ge is not None else value > 0:
+            return value
+        bound = f">= {ge:g}" if ge is not None else "> 0"
+        self.at(key).report(f"must be a number {bound}, got {value!r}")
+        return default
+
+    def optional_real(self, key: str) -> float | None:
+        return None if self.at(key).value is None else self.get(key, float, 0.0)
 
 
-def _address(node: _Node) -> str:
+_NAMES: dict[type, str] = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+}
+
+
+def _address(node: _Node) -> str | None:
     value = node.value
     if not isinstance(value, str) or ":" not in value:
-        raise node.error(f"must be 'host:port', got {value!r}")
+        node.report(f"must be 'host:port', got {value!r}")
+        return None
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise node.error(f"must be 'host:port' with a port in 1..65535, got {value!r}")
+        node.report(f"must be 'host:port' with a port in 1..65535, got {value!r}")
+        return None
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         # Envoy's override_host policy matches endpoints by IP address, not hostname.
-        raise node.error(f"host must be an IP address (Envoy routes by IP), got {host!r}") from None
+        node.report(f"must have an IP address as host (Envoy routes by IP), got {host!r}")
+        return None
     return value
 
 
@@ -267,61 +415,87 @@ class _Pools(NamedTuple):
     endpoints: dict[str, tuple[str, ...]]
     weights: dict[str, float]
     kv_events: dict[str, str]
+    discovery: dict[str, DiscoverySpec]
+    metrics_tls: dict[str, ClientTls]
 
 
 def _pools(node: _Node) -> _Pools:
-    pools: dict[str, tuple[str, ...]] = {}
-    weights: dict[str, float] = {}
-    kv_events: dict[str, str] = {}
+    pools = _Pools({}, {}, {}, {}, {})
     seen: dict[str, str] = {}
     for name, pool in node.items():
-        pool.only("endpoints")
-        endpoints = pool.child("endpoints", required=True).list()
-        if not endpoints:
-            raise pool.at("endpoints").error("must list at least one endpoint")
-        addrs = []
-        for ep in endpoints:
-            if isinstance(ep.value, dict):
-                ep.only("address", "weight", "kv_events")
-                addr = _address(ep.child("address", required=True))
-                weight = ep.positive("weight", float, 1.0)
-                if weight != 1.0:
-                    weights[addr] = weight
-                events = ep.get("kv_events", str, None)
-                if events is not None:
-                    if not events.startswith(("tcp://", "ipc://")):
-                        raise ep.at("kv_events").error("must be a tcp:// or ipc:// ZMQ address")
-                    kv_events[addr] = events
-            else:
-                addr = _address(ep)
-            if addr in seen:
-                raise ep.error(f"{addr} is already an endpoint of pool '{seen[addr]}'")
-            seen[addr] = name
-            addrs.append(addr)
-        pools[name] = tuple(addrs)
-    if not pools:
-        raise node.error("must define at least one pool")
-    return _Pools(pools, weights, kv_events)
+        pools.endpoints[name] = _pool(name, pool, pools, seen)
+    if not pools.endpoints and node.value is not None:
+        node.report("must define at least one pool")
+    return pools
+
+
+def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[str, ...]:
+    """One pool's endpoint addresses; weights, KV-event addresses, a discovery source and how
+    to scrape over https go to ``into`` (a discovered pool starts empty: epp.discovery fills it
+    at run time)."""
+    pool.only("endpoints", "discovery", "metrics_tls")
+    if pool.at("metrics_tls").value is not None:
+        into.metrics_tls[name] = _client_tls(pool.at("metrics_tls"))
+    if pool.at("discovery").value is not None:
+        if pool.at("endpoints").value is not None:
+            pool.report("must give either endpoints or discovery, not both")
+        try:
+            into.discovery[name] = parse_discovery(pool.at("discovery").value)
+        except ValueError as exc:
+            pool.at("discovery").report(str(exc))
+        return ()
+    endpoints = pool.child("endpoints", required=True)
+    if endpoints.value == []:
+        endpoints.report("must list at least one endpoint")
+    addrs = []
+    for ep in endpoints.list():
+        if isinstance(ep.value, dict):
+            ep.only("address", "weight", "kv_events")
+            addr = _address(ep.child("address", required=True))
+            weight = ep.real("weight", 1.0)
+            events = ep.get("kv_events", str, "")
+            if events and not events.startswith(("tcp://", "ipc://")):
+                ep.at("kv_events").report(f"must be a tcp:// or ipc:// ZMQ address, got {events!r}")
+                events = ""
+            if addr is not None and weight != 1.0:
+                into.weights[addr] = weight
+            if addr is not None and events:
+                into.kv_events[addr] = events
+        else:
+            addr = _address(ep)
+        if addr is None:
+            continue
+        if addr in seen:
+            ep.report(f"must be unique: {addr} is already an endpoint of pool '{seen[addr]}'")
+            continue
+        seen[addr] = name
+        addrs.append(addr)
+    return tuple(addrs)
 
 
 def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, ModelConfig]:
     models: dict[str, ModelConfig] = {}
     for name, model in node.items():
         model.only("pools", "lora", "tokenizer")
-        refs = model.child("pools", required=True).list()
-        if not refs:
-            raise model.at("pools").error("must name at least one pool")
-        for ref in refs:
-            if ref.value not in pools:
-                raise ref.error(f"unknown pool {ref.value!r} (pools: {', '.join(pools)})")
-        tokenizer = model.get("tokenizer", str, None)
+        refs = model.child("pools", required=True)
+        if refs.value == []:
+            refs.report("must name at least one pool")
+        names = []
+        for ref in refs.list():
+            if ref.value in pools:
+                names.append(str(ref.value))
+            else:
+                ref.report(
+                    f"must name a pool, got unknown pool {ref.value!r} (pools: {', '.join(pools)})"
+                )
+        tokenizer = model.get("tokenizer", str, "") or None
         if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
-            raise model.at("tokenizer").error(f"no tokenizer.json in directory {tokenizer!r}")
-        models[name] = ModelConfig(
-            tuple(r.value for r in refs), model.get("lora", bool, False), tokenizer
-        )
-    if not models:
-        raise node.error("must define at least one model")
+            model.at("tokenizer").report(
+                f"must be a directory with tokenizer.json, got {tokenizer!r}"
+            )
+        models[name] = ModelConfig(tuple(names), model.get("lora", bool, False), tokenizer)
+    if not models and node.value is not None:
+        node.report("must define at least one model")
     return models
 
 
@@ -334,76 +508,206 @@ def _server(node: _Node) -> ServerConfig:
         "log_level",
         "drain_seconds",
         "shutdown_grace_seconds",
+        "tls",
+        "debug_access",
+        "debug_token",
     )
     d = ServerConfig()
-    ports = {
-        key: node.positive(key, int, getattr(d, key), minimum=0)
-        for key in ("extproc_port", "health_port", "metrics_port")
-    }
+    access = node.get("debug_access", str, d.debug_access)
+    if access not in ("local", "any"):
+        node.at("debug_access").report(f"must be 'local' or 'any', got {access!r}")
+        access = d.debug_access
     level = node.get("log_level", str, d.log_level)
     if level.lower() not in ("debug", "info", "warning", "error"):
-        raise node.at("log_level").error("must be one of debug, info, warning, error")
-    drain = node.get("drain_seconds", float, d.drain_seconds)
-    grace = node.get("shutdown_grace_seconds", float, d.shutdown_grace_seconds)
-    if drain < 0 or grace < 0:
-        raise node.error("drain_seconds and shutdown_grace_seconds must be >= 0")
-    return ServerConfig(
+        node.at("log_level").report(f"must be one of debug, info, warning, error, got {level!r}")
+        level = d.log_level
+    server = ServerConfig(
         host=node.get("host", str, d.host),
+        extproc_port=node.get("extproc_port", int, d.extproc_port),
+        health_port=node.get("health_port", int, d.health_port),
+        metrics_port=node.get("metrics_port", int, d.metrics_port),
         log_level=level,
-        drain_seconds=drain,
-        shutdown_grace_seconds=grace,
-        **ports,
+        drain_seconds=node.real("drain_seconds", d.drain_seconds, ge=0),
+        shutdown_grace_seconds=node.real("shutdown_grace_seconds", d.shutdown_grace_seconds, ge=0),
+        tls=_server_tls(node.at("tls")),
+        debug_access=access,
+        debug_token=node.get("debug_token", str, d.debug_token),
     )
+    node.errors.extend(server_problems(server, node.source))
+    return server
+
+
+def _server_tls(node: _Node) -> ServerTls | None:
+    if node.value is None:
+        return None
+    node.only("cert", "key", "client_ca")
+    cert = node.get("cert", str, "")
+    key = node.get("key", str, "")
+    for name, value in (("cert", cert), ("key", key)):
+        if not value:
+            node.at(name).report("must be set to a PEM file (TLS needs a certificate and its key)")
+    if not cert or not key:
+        return None
+    tls = ServerTls(cert, key, node.get("client_ca", str, "") or None)
+    for name, problem in server_tls_problems(tls):
+        node.at(name).report(problem)
+    return tls
+
+
+def _client_tls(node: _Node) -> ClientTls:
+    node.only("ca", "cert", "key", "server_name")
+    tls = ClientTls(
+        *(node.get(key, str, "") or None for key in ("ca", "cert", "key", "server_name"))
+    )
+    for name, problem in client_tls_problems(tls):
+        node.at(name).report(problem)
+    return tls
 
 
 def _scrape(node: _Node) -> ScrapeConfig:
     node.only("interval", "timeout", "failure_threshold")
     d = ScrapeConfig()
     return ScrapeConfig(
-        interval=node.positive("interval", float, d.interval),
-        timeout=node.positive("timeout", float, d.timeout),
-        failure_threshold=node.positive("failure_threshold", int, d.failure_threshold, 1),
+        interval=node.real("interval", d.interval),
+        timeout=node.real("timeout", d.timeout),
+        failure_threshold=node.integer("failure_threshold", d.failure_threshold, ge=1),
     )
 
 
 def _routing(node: _Node) -> RoutingConfig:
-    node.only("fallbacks", "max_body_bytes", "explain")
+    node.only("fallbacks", "max_body_bytes", "explain", "explain_token", "inject_stream_usage")
     d = RoutingConfig()
     return RoutingConfig(
-        fallbacks=node.positive("fallbacks", int, d.fallbacks),
-        max_body_bytes=node.positive("max_body_bytes", int, d.max_body_bytes, 1),
+        fallbacks=node.integer("fallbacks", d.fallbacks, ge=0),
+        max_body_bytes=node.integer("max_body_bytes", d.max_body_bytes, ge=1),
         explain=node.get("explain", bool, d.explain),
+        explain_token=node.get("explain_token", str, d.explain_token),
+        inject_stream_usage=node.get("inject_stream_usage", bool, d.inject_stream_usage),
     )
 
 
 def _request(node: _Node) -> RequestPolicy:
-    node.only("session_header", "priority_header", "objective_header", "objectives")
+    node.only(
+        "session_header",
+        "priority_header",
+        "objective_header",
+        "fairness_header",
+        "objectives",
+        "trusted_headers",
+        "api_keys",
+    )
     d = RequestPolicy()
     objectives: dict[str, int] = {}
     for name, value in node.child("objectives").items():
         if not isinstance(value.value, int) or isinstance(value.value, bool):
-            raise value.error("must be an integer priority")
+            value.report(f"must be an integer priority, got {value.value!r}")
+            continue
         objectives[name] = value.value
+    api_keys: dict[str, ApiKey] = {}
+    for index, (key, entry) in enumerate(node.child("api_keys").items()):
+        # Never echo a key in an error message: name it by position.
+        entry.path = f"{node.path}.api_keys[{index}]"
+        entry.only("tenant", "objective")
+        tenant = entry.get("tenant", str, "")
+        if not tenant:
+            entry.at("tenant").report("must be a non-empty string (the key's fairness id)")
+        objective = entry.get("objective", str, "") or None
+        if objective is not None and objective not in objectives:
+            entry.at("objective").report(f"must name one of request.objectives, got {objective!r}")
+        api_keys[key] = ApiKey(tenant, objective)
     return RequestPolicy(
         session_header=node.get("session_header", str, d.session_header).lower(),
         priority_header=node.get("priority_header", str, d.priority_header).lower(),
         objective_header=node.get("objective_header", str, d.objective_header).lower(),
+        fairness_header=node.get("fairness_header", str, d.fairness_header).lower(),
         objectives=objectives,
+        trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
+        api_keys=api_keys,
     )
 
 
 def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:
-    node.only("queue_threshold", "kv_threshold", "stale_seconds")
+    node.only(
+        "mode",
+        "queue_threshold",
+        "kv_threshold",
+        "stale_seconds",
+        "max_requests",
+        "max_tokens",
+        "sheddable_reserve",
+        "capacity",
+        "ttl",
+        "bands",
+    )
     # Metrics are stale after a few missed scrapes, whatever the interval.
     d = SaturationDetector(stale_seconds=max(DEFAULT_STALE_SECONDS, 4 * scrape_interval))
-    kv = node.positive("kv_threshold", float, d.kv_threshold)
+    kv = node.real("kv_threshold", d.kv_threshold)
     if kv > 1:
-        raise node.at("kv_threshold").error("must be a fraction in (0, 1]")
+        node.at("kv_threshold").report(f"must be a fraction in (0, 1], got {kv!r}")
+        kv = d.kv_threshold
     return SaturationDetector(
-        queue_threshold=node.positive("queue_threshold", int, d.queue_threshold, 1),
+        queue_threshold=node.integer("queue_threshold", d.queue_threshold, ge=1),
         kv_threshold=kv,
-        stale_seconds=node.positive("stale_seconds", float, d.stale_seconds),
+        stale_seconds=node.real("stale_seconds", d.stale_seconds),
+        max_requests=node.integer("max_requests", d.max_requests, ge=0),
+        max_tokens=node.integer("max_tokens", d.max_tokens, ge=0),
+        sheddable_reserve=_fraction(node, "sheddable_reserve", d.sheddable_reserve),
     )
+
+
+def _autoscaling(node: _Node) -> DemandPolicy:
+    node.only("target_utilisation", "replica_concurrency", "window_seconds")
+    d = DemandPolicy()
+    target = node.real("target_utilisation", d.target_utilisation)
+    if not 0 < target <= 1:
+        node.at("target_utilisation").report(f"must be a fraction in (0, 1], got {target!r}")
+        target = d.target_utilisation
+    window = node.real("window_seconds", d.window_seconds)
+    if window <= 0:
+        node.at("window_seconds").report(f"must be positive, got {window!r}")
+        window = d.window_seconds
+    return DemandPolicy(
+        target_utilisation=target,
+        replica_concurrency=node.integer("replica_concurrency", d.replica_concurrency, ge=1),
+        window_seconds=window,
+    )
+
+
+def _fraction(node: _Node, key: str, default: float) -> float:
+    value = node.real(key, default, ge=0.0)
+    if value >= 1:
+        node.at(key).report(f"must be a fraction in [0, 1), got {value!r}")
+        return default
+    return value
+
+
+_MODES = ("off", "shed", "queue")
+
+
+def _flow_control(node: _Node) -> FlowControl:
+    d = FlowControl()
+    mode = node.get("mode", str, d.mode)
+    if mode not in _MODES:
+        node.at("mode").report(f"must be one of {', '.join(_MODES)}, got {mode!r}")
+        mode = d.mode
+    default = BandLimits(
+        node.integer("capacity", d.limits.default.capacity, ge=1),
+        node.real("ttl", d.limits.default.ttl),
+    )
+    bands: dict[int, BandLimits] = {}
+    for key, band in node.child("bands").items():
+        try:
+            priority = int(key)
+        except ValueError:
+            band.report("must be keyed by an integer priority")
+            continue
+        band.only("capacity", "ttl")
+        bands[priority] = BandLimits(
+            band.integer("capacity", default.capacity, ge=1), band.real("ttl", default.ttl)
+        )
+    # The whole queue holds as much as its bands together (at least llm-d's 5,000).
+    total = max(d.limits.capacity, default.capacity, sum(b.capacity for b in bands.values()))
+    return FlowControl(cast(AdmissionMode, mode), QueueLimits(total, default, bands))
 
 
 def _store(node: _Node) -> StoreConfig:
@@ -411,64 +715,132 @@ def _store(node: _Node) -> StoreConfig:
     d = StoreConfig()
     backend = node.get("backend", str, d.backend)
     if backend not in ("memory", "redis"):
-        raise node.at("backend").error(f"must be 'memory' or 'redis', got {backend!r}")
+        node.at("backend").report(f"must be 'memory' or 'redis', got {backend!r}")
     url = node.get("redis_url", str, d.redis_url)
     if not url.startswith(REDIS_SCHEMES):  # standalone, Sentinel or Cluster: see epp.state.shared
-        raise node.at("redis_url").error(f"must start with one of {', '.join(REDIS_SCHEMES)}")
+        node.at("redis_url").report(f"must start with one of {', '.join(REDIS_SCHEMES)}")
     return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix))
 
 
-def _scheduling(node: _Node) -> Profile:
+def _health(node: _Node) -> HealthConfig:
+    node.only(*(f.name for f in dataclasses.fields(HealthConfig)))
+    d = HealthConfig()
+    error_rate = node.real("error_rate", d.error_rate)
+    if error_rate > 1:
+        node.at("error_rate").report(f"must be a fraction in (0, 1], got {error_rate!r}")
+        error_rate = d.error_rate
+    share = node.real("max_ejection_percent", d.max_ejection_percent, ge=0)
+    if share > 100:
+        node.at("max_ejection_percent").report(f"must be a percentage in [0, 100], got {share!r}")
+        share = d.max_ejection_percent
+    base = node.real("base_ejection_seconds", d.base_ejection_seconds)
+    longest = node.real("max_ejection_seconds", d.max_ejection_seconds)
+    if longest < base:
+        node.at("max_ejection_seconds").report(
+            f"must be >= base_ejection_seconds ({base:g}), got {longest!r}"
+        )
+        longest = base
+    return HealthConfig(
+        enabled=node.get("enabled", bool, d.enabled),
+        consecutive_failures=node.integer("consecutive_failures", d.consecutive_failures, ge=1),
+        error_rate=error_rate,
+        window_seconds=node.real("window_seconds", d.window_seconds),
+        min_requests=node.integer("min_requests", d.min_requests, ge=1),
+        latency_factor=node.real("latency_factor", d.latency_factor, ge=1),
+        latency_floor_seconds=node.real("latency_floor_seconds", d.latency_floor_seconds, ge=0),
+        latency_samples=node.integer("latency_samples", d.latency_samples, ge=1),
+        base_ejection_seconds=base,
+        max_ejection_seconds=longest,
+        max_ejection_percent=share,
+        trial_successes=node.integer("trial_successes", d.trial_successes, ge=1),
+        trial_interval_seconds=node.real("trial_interval_seconds", d.trial_interval_seconds, ge=0),
+        trial_timeout_seconds=node.real("trial_timeout_seconds", d.trial_timeout_seconds),
+    )
+
+
+def _scheduling(node: _Node) -> SchedulingConfig:
     node.only("profile", "plugins", "profiles")
-    declared: dict[str, tuple[str, Mapping[str, Any], _Node]] = {}
-    for item in node.child("plugins").list():
-        item.only("name", "type", "parameters")
-        type_name = item.get("type", str, None)
-        if type_name is None:
-            raise item.at("type").error("is required")
-        name = item.get("name", str, type_name)
-        declared[name] = (type_name, item.child("parameters").mapping(), item)
-    profiles = node.child("profiles")
+    declared = _declared_plugins(node.child("plugins"))
+    profiles: dict[str, ProfileSpec] = {}
+    section = node.child("profiles")
+    for name, entries in section.items():
+        profiles[name] = _profile(name, entries, declared)
+    if "default" not in profiles:
+        builtin = _Node(DEFAULT_PROFILE, f"{section.path}.default", node.source, node.errors)
+        profiles["default"] = _profile("default", builtin, declared)
     wanted = node.get("profile", str, "default")
-    entries = profiles.at(wanted)
-    if entries.value is None:
-        if profiles.value is not None and wanted != "default":
-            raise node.at("profile").error(f"no profile named {wanted!r} under profiles")
-        entries = _Node(DEFAULT_PROFILE, f"{profiles.path}.default", node.source)
-    return _profile(wanted, entries, declared)
+    if wanted not in profiles:
+        node.at("profile").report(
+            f"must name a profile under scheduling.profiles, got {wanted!r} "
+            f"(profiles: {', '.join(profiles)})"
+        )
+        wanted = "default"
+    return SchedulingConfig(wanted, profiles)
 
 
-def _profile(
-    name: str, node: _Node, declared: Mapping[str, tuple[str, Mapping[str, Any], _Node]]
-) -> Profile:
-    filters: list[Filter] = []
-    scorers: list[tuple[Scorer, float]] = []
-    pickers: list[Picker] = []
-    for entry in node.list():
+def _declared_plugins(node: _Node) -> dict[str, PluginSpec | None]:
+    """``scheduling.plugins``: named plugin instances with parameters, checked even when no
+    profile uses them (None: declared, but already reported as bad)."""
+    declared: dict[str, PluginSpec | None] = {}
+    for item in node.list():
+        item.only("name", "type", "parameters")
+        type_name = item.get("type", str, "")
+        if not type_name:
+            item.at("type").report("must be set to a plugin type")
+            continue
+        name = item.get("name", str, type_name)
+        if name in declared:
+            item.at("name").report(f"must be unique, got {name!r} twice")
+        declared[name] = _plugin_spec(type_name, name, item.child("parameters"), item.at("type"))
+    return declared
+
+
+def _plugin_spec(type_name: str, name: str, params: _Node, where: _Node) -> PluginSpec | None:
+    cls = plugin_class(type_name)
+    if cls is None:
+        where.report(
+            f"must be a plugin type, got {type_name!r} (types: {', '.join(plugin_types())})"
+        )
+        return None
+    values, problems = parse_params(cls.params_type, params.mapping())
+    for key, message in problems:
+        params.at(key).report(message)
+    if values is None:
+        return None
+    return PluginSpec(type_name, name, values)
+
+
+def _profile(name: str, node: _Node, declared: Mapping[str, PluginSpec | None]) -> ProfileSpec:
+    specs: list[PluginSpec] = []
+    positions: list[int] = []
+    if node.value is not None and not isinstance(node.value, list):
+        node.list()  # reports the wrong type; nothing else to check
+        return ProfileSpec(name, ())
+    entries = node.list()
+    for i, entry in enumerate(entries):
         entry.only("plugin", "pluginRef", "weight", "parameters")
-        ref = entry.get("plugin", str, None) or entry.get("pluginRef", str, None)
-        if ref is None:
-            raise entry.at("plugin").error("is required")
-        inline = (ref, entry.child("parameters").mapping(), entry)
-        type_name, params, where = declared.get(ref, inline)
-        try:
-            plugin: Plugin = create_plugin(type_name, ref, params)
-        except KeyError:
-            raise where.error(
-                f"unknown plugin type {type_name!r} (known: {', '.join(plugin_types())})"
-            ) from None
-        except ValueError as exc:
-            raise where.error(str(exc)) from None
-        weight = entry.get("weight", float, 1.0)
-        if isinstance(plugin, Scorer):
-            scorers.append((plugin, weight))
-        elif isinstance(plugin, Filter):
-            filters.append(plugin)
-        elif isinstance(plugin, Picker):
-            pickers.append(plugin)
-    if len(pickers) != 1:
-        raise node.error(f"a profile needs exactly one picker, found {len(pickers)}")
-    plugins: list[Plugin] = [*filters, *(s for s, _ in scorers), *pickers]
-    hooks = [p for p in plugins if isinstance(p, PostPick)]
-    preparers = [p for p in plugins if isinstance(p, Prepare)]
-    return Profile(name, filters, scorers, pickers[0], hooks, preparers)
+        ref = entry.get("plugin", str, "") or entry.get("pluginRef", str, "")
+        if not ref:
+            entry.at("plugin").report("must name a plugin")
+            continue
+        weight = entry.optional_real("weight")
+        parameters = entry.child("parameters")
+        if ref in declared:
+            spec = declared[ref]
+            if parameters.value is not None:
+                parameters.report(f"must be given under scheduling.plugins, where '{ref}' is")
+        else:
+            spec = _plugin_spec(ref, ref, parameters, entry.at("plugin"))
+        if spec is None:
+            continue
+        specs.append(PluginSpec(spec.type_name, spec.name, spec.params, weight))
+        positions.append(i)
+    complete = len(specs) == len(entries)
+    classes = [(plugin_class(s.type_name), s.name, s.weight) for s in specs]
+    for problem in profile_problems([(c, n, w) for c, n, w in classes if c is not None]):
+        # With an entry already reported, what the profile lacks (a picker, a producer) may be
+        # that entry: only the other entries' own problems are worth reporting.
+        if complete or problem.key is not None:
+            at = node if problem.entry is None else entries[positions[problem.entry]]
+            (at.at(problem.key) if problem.key else at).report(problem.message)
+    return ProfileSpec(name, tuple(specs))

@@ -2,7 +2,9 @@
 
 One implementation serves ``make run`` (``epp dev``), the end-to-end tests and the benchmarks, so
 what the tests prove is what a user runs. Every process gets its own log file under the stack's
-work directory; a failed start says which process died and where its log is.
+work directory; a failed start says which process died and where its log is. Once running, `epp
+dev` supervises the stack like compose's `restart: unless-stopped` (:meth:`Stack.supervise`): a
+process that dies is reported and restarted while the others keep serving.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,13 +51,30 @@ def envoy_binary() -> str:
     return found
 
 
+# The restart policy of `epp dev`, as compose's `restart: unless-stopped` applies it: the first
+# restart after 100 ms, the delay doubling while the process keeps dying (up to 10 s), back to
+# 100 ms once a run lasted 10 s.
+RESTART_FIRST_DELAY = 0.1
+RESTART_MAX_DELAY = 10.0
+RESTART_RESET_AFTER = 10.0
+
+
 @dataclass
 class Proc:
-    """A child process with its log file."""
+    """A child process with its log file; it can be started again with the same command."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+    env: dict[str, str] | None = None
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    # Set by stop(): a process stopped on purpose is never restarted ("unless-stopped").
+    stopped: bool = False
+    # While dead and waiting for its restart: when it is due, and the current backoff.
+    restart_due: float | None = None
+    restart_delay: float = 0.0
 
     @classmethod
     def start(
@@ -63,15 +82,26 @@ class Proc:
     ) -> Proc:
         """Start ``argv`` in its own session, output to ``workdir/<name>.log``."""
         log = workdir / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
+        return cls(name, cls._popen(argv, log, env), log, argv, env)
+
+    @staticmethod
+    def _popen(argv: list[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+        # Appended, so a restarted process's log follows the crash it recovers from.
+        with open(log, "ab") as out:
+            return subprocess.Popen(
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 start_new_session=True,
             )
-        return cls(name, popen, log)
+
+    def respawn(self) -> None:
+        """Start the same command again (the old process must be gone)."""
+        self.popen = self._popen(self.argv, self.log, self.env)
+        self.started = time.monotonic()
+        self.restarts += 1
+        self.restart_due = None
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -82,6 +112,7 @@ class Proc:
         return ""
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.stopped = True
         if not self.alive():
             return
         self.popen.send_signal(signal.SIGTERM)
@@ -92,6 +123,7 @@ class Proc:
             self.popen.wait()
 
     def kill(self) -> None:
+        """SIGKILL, as a crash would end it: the supervisor restarts it (unlike stop())."""
         if self.alive():
             self.popen.kill()
             self.popen.wait()
@@ -100,7 +132,8 @@ class Proc:
 def http_ok(url: str, timeout: float = 0.5) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return 200 <= resp.status < 300
+            status: int = resp.status
+            return 200 <= status < 300
     except (OSError, urllib.error.URLError):
         return False
 
@@ -244,7 +277,7 @@ class Stack:
         for i in range(self.epp_count):
             self.start_epp(i)
         self.start_envoy()
-        steps = [
+        steps: list[tuple[str, Callable[[], bool]]] = [
             (
                 "simulated replicas",
                 lambda: all(http_ok(f"http://{a}/health") for a in self.replica_addresses),
@@ -310,6 +343,41 @@ class Stack:
                 raise RuntimeError(
                     f"{proc.name} exited with code {proc.popen.returncode}; log {proc.log}:\n{tail}"
                 )
+
+    def supervise(self, report: Callable[[str], None], now: float | None = None) -> None:
+        """One round of the restart policy (see RESTART_FIRST_DELAY): report each process found
+        dead, with its exit code and log tail, and start it again once its delay has passed.
+
+        The other processes keep running meanwhile: with two epps, Envoy's health checks move
+        every new request to the survivor until the restarted one answers again.
+        """
+        now = time.monotonic() if now is None else now
+        for proc in list(self.procs.values()):
+            if proc.stopped or proc.alive():
+                continue
+            if proc.restart_due is None:
+                ran = now - proc.started
+                proc.restart_delay = (
+                    RESTART_FIRST_DELAY
+                    if ran >= RESTART_RESET_AFTER or not proc.restart_delay
+                    else min(2 * proc.restart_delay, RESTART_MAX_DELAY)
+                )
+                proc.restart_due = now + proc.restart_delay
+                report(
+                    f"{proc.name} exited with code {proc.popen.returncode} after {ran:.1f} s; "
+                    f"restarting it in {proc.restart_delay:.1f} s; log {proc.log}:\n{proc.tail(5)}"
+                )
+            elif now >= proc.restart_due:
+                proc.respawn()
+                report(f"{proc.name} restarted (pid {proc.popen.pid}, restart {proc.restarts})")
+
+    def supervise_until(
+        self, done: Callable[[], bool], report: Callable[[str], None], every: float = 0.1
+    ) -> None:
+        """Apply the restart policy every ``every`` seconds until ``done()``."""
+        while not done():
+            self.supervise(report)
+            time.sleep(every)
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
@@ -402,6 +470,7 @@ ready. Envoy listens on {stack.url}; try:
 
 The x-served-by response header names the replica epp picked. epp's metrics and debug views:
   curl -s localhost:9090/debug/endpoints
+A process that dies is reported here and restarted; the others keep serving.
 Ctrl-C stops everything.
 """,
         flush=True,
@@ -415,19 +484,17 @@ Ctrl-C stops everything.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        while not stopping:
-            for proc in stack.procs.values():
-                if not proc.alive():
-                    print(f"{proc.name} exited; log {proc.log}:\n{proc.tail()}", file=sys.stderr)
-                    stopping = True
-            time.sleep(0.2)
+        # A dead process is reported and restarted; the rest keep serving (see Stack.supervise).
+        stack.supervise_until(
+            lambda: stopping, lambda message: print(f"epp dev: {message}", file=sys.stderr)
+        )
     finally:
         print("stopping ...", flush=True)
         stack.stop()
     return 0
 
 
-def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dev = subparsers.add_parser("dev", help="run a local stack: Envoy, epp, simulated vLLM")
     dev.add_argument("--replicas", type=int, default=3)
     dev.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")

@@ -9,15 +9,24 @@ The pieces, in request order:
 * **header_mutation before ext_proc** strips the control headers a client could send
   (``x-gateway-destination-endpoint`` and friends), so epp never sees a forged answer and the
   upstream never receives one.
-* **ext_proc** streams the request to epp (cluster ``epp``) and fails closed
-  (``failure_mode_allow: false``): without epp's decision the request gets a 500/504 rather
-  than landing on an arbitrary replica. epp's answer comes back as ``envoy.lb`` dynamic
-  metadata, which Envoy applies only because the namespace is listed in
-  ``metadata_options.receiving_namespaces``. The stream stays open until the response is
-  complete (``response_trailer_mode: SEND``, see :func:`_processing_mode`).
+* **ext_proc** streams the request to epp (cluster ``epp``), and the response back to it (see
+  :func:`_processing_mode`). Requests never reach a replica epp did not choose: epp's answer
+  comes back as ``envoy.lb`` dynamic metadata (applied only because the namespace is listed in
+  ``metadata_options.receiving_namespaces``) and without it the pool's balancer returns no host
+  (503). On top of that, full-duplex mode fails closed (``failure_mode_allow: false``: 500/504
+  when epp is unreachable or silent). Buffered mode sets ``failure_mode_allow: true`` so that an
+  epp dying while a response streams does not cut the response (measured: with ``false`` the
+  client's stream is reset, with ``true`` it completes; docs/response-path.md); a request epp
+  never answered still fails, with 503 from the pool. The stream stays open until the response
+  is complete (``response_trailer_mode: SEND``).
 * **route ``/``** has no timeout (``timeout: 0s``, ``idle_timeout: 0s``: a generation may run
   for minutes, silent when not streamed) and a retry policy with ``num_retries =
-  routing.fallbacks``, so an unreachable replica makes Envoy try the next entry of epp's list.
+  routing.fallbacks``, so a replica that answers 5xx, resets or cannot be reached makes Envoy
+  try the next entry of epp's list (only before the response has begun). It also adds
+  ``x-gateway-destination-endpoint-served: %UPSTREAM_HOST%`` to the response for epp, which
+  the header_mutation filter strips before the client sees it.
+* **ext_proc on the response**: headers and the streamed body go to epp on the same stream
+  (status, served endpoint, token timings, usage; docs/response-path.md).
 * **cluster ``pool``** is a STATIC cluster holding every endpoint of every pool, balanced by the
   ``override_host`` policy that reads ONLY the metadata (never the header: metadata cannot be
   set by a client). Each attempt (first try, then each retry) consumes the next address of the
@@ -28,7 +37,9 @@ The pieces, in request order:
   that cannot reach an epp is retried on another (``grpc_service.retry_policy``); gRPC health
   checks on each epp's health port and outlier detection take a dead or draining epp out of
   rotation. Measured: hard-killing one of two epps under load failed only the requests whose
-  streams were open on it (tests/e2e/test_active_active.py).
+  streams were open on it (tests/e2e/test_active_active.py). With :class:`EppTls` it is
+  reached over TLS (mutual with a client certificate), health checks included
+  (tests/e2e/test_tls.py).
 """
 
 from __future__ import annotations
@@ -38,24 +49,27 @@ import ipaddress
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from epp.config import Config, ConfigError, load_config
+from epp.discovery.eds import EdsFile, eds_path
+from epp.discovery.spec import DnsSpec, KubernetesSpec
+from epp.wire import (
+    CONTROL_HEADERS,
+    DESTINATION,
+    LB_NAMESPACE,
+    SCORES,
+    SERVED,
+    SUBSET_HINT_NAMESPACE,
+)
 
 Mode = Literal["buffered", "full-duplex"]
 MODES: tuple[Mode, ...] = ("buffered", "full-duplex")
 
-LB_NAMESPACE = "envoy.lb"
-SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
-DESTINATION = "x-gateway-destination-endpoint"
-CONTROL_HEADERS = (
-    DESTINATION,
-    "x-gateway-destination-endpoint-subset",
-    "x-gateway-destination-endpoint-served",
-)
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 POOL_CLUSTER = "pool"
 EPP_CLUSTER = "epp"
@@ -70,12 +84,59 @@ _TYPE = "@type"
 _T = "type.googleapis.com/"
 
 
+@dataclass(frozen=True, slots=True)
+class EppTls:
+    """How Envoy reaches epp over TLS (``epp serve`` with ``server.tls``): trust ``ca``, accept
+    only a certificate naming ``san`` (also sent as SNI), and present ``cert``/``key`` when epp
+    requires client certificates (``server.tls.client_ca``)."""
+
+    ca: str
+    san: str
+    cert: str | None = None
+    key: str | None = None
+
+
+def _upstream_tls(tls: EppTls) -> dict[str, Any]:
+    """The epp cluster's transport socket. Envoy's health checks use the cluster's transport
+    socket too, so the gRPC health checks are encrypted and verified the same way."""
+    san_type = "IP_ADDRESS" if _is_ip(tls.san) else "DNS"
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": tls.ca},
+            "match_typed_subject_alt_names": [
+                {"san_type": san_type, "matcher": {"exact": tls.san}}
+            ],
+        },
+    }
+    if tls.cert is not None and tls.key is not None:
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": tls.cert}, "private_key": {"filename": tls.key}}
+        ]
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            _TYPE: _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": tls.san,
+            "common_tls_context": common,
+        },
+    }
+
+
 def parse_address(value: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` -> (host without brackets, port)."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _socket(value: str) -> dict[str, Any]:
@@ -120,28 +181,47 @@ def _http_options(**explicit: Any) -> dict[str, Any]:
 
 
 def _processing_mode(mode: Mode) -> dict[str, str]:
-    """Request headers and body go to epp; response headers and body are not sent.
+    """Request headers and body go to epp; so do the response's headers and streamed body.
+
+    Response body: STREAMED after a buffered request (Envoy sends each chunk and forwards it
+    once epp answers, which epp does at once, unchanged unless it strips an injected usage
+    chunk), FULL_DUPLEX_STREAMED after a full-duplex one (Envoy forwards what epp echoes).
+    Neither buffers the response, so server-sent events reach the client as they are
+    produced; docs/response-path.md has the measurements.
 
     ``response_trailer_mode: SEND`` is there for the stream's lifetime, not for trailers (vLLM
-    over HTTP/1.1 sends none, so no message results). Measured with Envoy 1.40: when nothing is
-    left to send on the response path, full-duplex mode half-closes the ext_proc stream right
-    after epp's last body chunk, before the upstream has even answered; with SEND it stays open
-    until the response completes (or the client goes away), in both modes, so epp can count a
-    request as in flight for exactly as long as it is. An upstream that does send trailers costs
-    one ``response_trailers`` message, which epp must answer.
+    over HTTP/1.1 sends none, so no message results): with it the stream stays open until the
+    response completes (or the client goes away), so epp counts a request as in flight for
+    exactly as long as it is. An upstream that does send trailers costs one
+    ``response_trailers`` message, which epp answers.
 
-    Full-duplex also requires ``request_trailer_mode: SEND`` (Envoy rejects the config
-    otherwise; the rule is per direction: SEND trailers wherever a body is FULL_DUPLEX_STREAMED).
+    Full-duplex requires both trailer modes SEND (Envoy rejects the config otherwise; the rule
+    is per direction: SEND trailers wherever a body is FULL_DUPLEX_STREAMED).
     """
-    body = "BUFFERED" if mode == "buffered" else "FULL_DUPLEX_STREAMED"
+    buffered = mode == "buffered"
     return {
         "request_header_mode": "SEND",
-        "response_header_mode": "SKIP",
-        "request_body_mode": body,
-        "response_body_mode": "NONE",
-        "request_trailer_mode": "SKIP" if mode == "buffered" else "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "BUFFERED" if buffered else "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "STREAMED" if buffered else "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SKIP" if buffered else "SEND",
         "response_trailer_mode": "SEND",
     }
+
+
+# Envoy's message timeout outlasts a held request's TTL by this much, so epp's own 503 (with
+# Retry-After and the reason) reaches the client rather than Envoy's timeout.
+QUEUE_TIMEOUT_MARGIN_MS = 2000
+
+
+def _fit_queue(config: Config, message_timeout_ms: int) -> int:
+    """The message timeout, raised above the flow-control queue's longest TTL when epp may hold
+    requests (buffered mode: the held body answer is one message). An epp that stops answering
+    still has its held requests released by Envoy, at TTL + margin instead of never."""
+    if config.flow_control.mode != "queue":
+        return message_timeout_ms
+    ttl_ms = int(config.flow_control.limits.longest_ttl * 1000)
+    return max(message_timeout_ms, ttl_ms + QUEUE_TIMEOUT_MARGIN_MS)
 
 
 def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
@@ -171,7 +251,10 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
                 "host_selection_retry_max_attempts": 3,
             },
         },
-        "failure_mode_allow": False,
+        # Buffered: a late failure of epp (a crash while the response streams) must not cut the
+        # response; the pool still refuses requests epp did not place (see module docstring).
+        # Full duplex holds the body in epp's hands, so Envoy cannot go on without it.
+        "failure_mode_allow": mode == "buffered",
         # Per message (buffered: the body answer includes scheduling time). Full-duplex bodies
         # are not covered by it (Envoy 1.40).
         "message_timeout": _duration(message_timeout_ms),
@@ -195,11 +278,23 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
     )
 
 
-def _header_mutation_filter() -> dict[str, Any]:
+def _header_mutation_filter(config: Config) -> dict[str, Any]:
+    # First in the chain, so last on the response: the served-endpoint header the route adds
+    # for epp is gone before the client sees it, even when epp did not process the response.
+    policy = config.request
+    # Untrusted identity headers (request.trusted_headers: false) never reach epp or the pool.
+    identity = (
+        ()
+        if policy.trusted_headers
+        else (policy.priority_header, policy.objective_header, policy.fairness_header)
+    )
     return _typed(
         "envoy.filters.http.header_mutation",
         "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-        mutations={"request_mutations": [{"remove": h} for h in CONTROL_HEADERS]},
+        mutations={
+            "request_mutations": [{"remove": h} for h in (*CONTROL_HEADERS, *identity)],
+            "response_mutations": [{"remove": SERVED}],
+        },
     )
 
 
@@ -215,19 +310,29 @@ def _route(config: Config) -> dict[str, Any]:
         "response_headers_to_add": [
             {
                 "header": {
-                    "key": "x-epp-scores",
-                    "value": f"%DYNAMIC_METADATA({LB_NAMESPACE}:x-epp-scores)%",
+                    "key": SCORES,
+                    "value": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{SCORES})%",
                 },
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
+            },
+            # The host of the attempt that answered, after retries: epp moves its accounting
+            # there. The router adds it before the encoder filters run, so ext_proc sees it;
+            # Envoy's own replies (no upstream host) format it empty and it is not added.
+            {
+                "header": {"key": SERVED, "value": "%UPSTREAM_HOST%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            },
         ],
         "route": {
             "cluster": POOL_CLUSTER,
             "timeout": "0s",
             "idle_timeout": "0s",
+            # Any 5xx of a replica (and resets, refused connections) moves the request to epp's
+            # next fallback, at most `fallbacks` times. Envoy retries only until it has
+            # forwarded the response headers: a stream that fails after it began is not
+            # retried (tests/e2e/test_response_path.py checks both).
             "retry_policy": {
-                "retry_on": "connect-failure,reset,refused-stream,retriable-status-codes",
-                "retriable_status_codes": [503],
+                "retry_on": "5xx,connect-failure,reset,refused-stream",
                 "num_retries": config.routing.fallbacks,
                 "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
             },
@@ -275,6 +380,44 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
     sees it; so these mappers only rewrite replies Envoy made itself.
     """
     mappers = [
+        # Envoy's HTTP codec refusing a request it could not parse (431 for headers over 60 KiB,
+        # 400 for control characters, conflicting framing, a bad request line): no request
+        # headers were decoded, which is what tells these apart from epp's own 4xx (checked
+        # with Envoy 1.40; the DPE response flag is set only after the reply, too late for a
+        # mapper). docs/hostile-input.md: while ext_proc processes responses, such a reply is
+        # lost before it is written.
+        _json_reply(
+            {
+                "and_filter": {
+                    "filters": [
+                        {
+                            "status_code_filter": {
+                                "comparison": {
+                                    "op": "GE",
+                                    "value": {
+                                        "default_value": 400,
+                                        "runtime_key": "epp.local_reply.codec",
+                                    },
+                                }
+                            }
+                        },
+                        {
+                            "header_filter": {
+                                "header": {
+                                    "name": ":method",
+                                    "present_match": True,
+                                    "invert_match": True,
+                                }
+                            }
+                        },
+                    ]
+                }
+            },
+            "invalid_request_error",
+            "invalid_http_request",
+            "Envoy refused the request as malformed HTTP (%RESPONSE_CODE_DETAILS%): keep "
+            "headers under 60 KiB, free of control characters, and send one body framing.",
+        ),
         _json_reply(
             _status_is(500, 504),
             "server_error",
@@ -285,8 +428,8 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
             {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "NR", "NC", "UMSDR"]}},
             "service_unavailable_error",
             "upstream_unavailable",
-            "The replica chosen for this request could not be reached (%RESPONSE_FLAGS%). "
-            "Retry shortly.",
+            "No replica could serve this request: the chosen ones could not be reached, or the "
+            "endpoint picker gave no answer (%RESPONSE_FLAGS%). Retry shortly.",
         ),
     ]
     if mode == "buffered":
@@ -312,7 +455,7 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
             "virtual_hosts": [{"name": "fleet", "domains": ["*"], "routes": [_route(config)]}],
         },
         "http_filters": [
-            _header_mutation_filter(),
+            _header_mutation_filter(config),
             _ext_proc_filter(mode, message_timeout_ms),
             _typed("envoy.filters.http.router", "envoy.extensions.filters.http.router.v3.Router"),
         ],
@@ -335,7 +478,7 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
     }
 
 
-def _pool_cluster(config: Config) -> dict[str, Any]:
+def _pool_cluster(config: Config, eds_dir: str | None) -> dict[str, Any]:
     never = _policy(
         "envoy.load_balancing_policies.subset",
         "envoy.extensions.load_balancing_policies.subset.v3.Subset",
@@ -361,18 +504,80 @@ def _pool_cluster(config: Config) -> dict[str, Any]:
         for addrs in config.pools.values()
         for addr in addrs
     ]
-    return {
+    dns = [spec for spec in config.discovery.values() if isinstance(spec, DnsSpec)]
+    endpoints += [
+        {"endpoint": {"address": {"socket_address": {"address": d.name, "port_value": d.port}}}}
+        for d in dns
+    ]
+    kube = [p for p, spec in config.discovery.items() if isinstance(spec, KubernetesSpec)]
+    if kube and eds_dir is None:
+        raise ValueError(
+            f"pool {kube[0]!r} is discovered from Kubernetes: Envoy learns its endpoints from "
+            "the EDS file epp writes; give --eds-dir DIR here and to epp serve"
+        )
+    cluster: dict[str, Any] = {
         "name": POOL_CLUSTER,
-        "type": "STATIC",
+        "type": "EDS" if eds_dir is not None else "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": _http_options(http_protocol_options={}),
         "circuit_breakers": _circuit_breakers(),
         "load_balancing_policy": override,
-        "load_assignment": {
-            "cluster_name": POOL_CLUSTER,
-            "endpoints": [{"lb_endpoints": endpoints}],
-        },
     }
+    if eds_dir is not None:
+        cluster["eds_cluster_config"] = _eds_config(eds_dir)
+        return cluster
+    cluster["load_assignment"] = {
+        "cluster_name": POOL_CLUSTER,
+        "endpoints": [{"lb_endpoints": endpoints}],
+    }
+    if dns:
+        cluster.update(_dns_options(dns))
+    return cluster
+
+
+def _eds_config(eds_dir: str) -> dict[str, Any]:
+    """The pool's hosts come from the file epp writes (epp.discovery.eds): every pool, static,
+    DNS or Kubernetes, exactly as epp's router sees it. ``watched_directory`` makes Envoy
+    reload on the atomic rename epp does; without a running epp the last file stays in force.
+    """
+    return {
+        "eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": str(eds_path(eds_dir)),
+                "watched_directory": {"path": str(eds_dir)},
+            },
+        }
+    }
+
+
+def _dns_options(pools: Sequence[DnsSpec]) -> dict[str, Any]:
+    """Envoy resolves DNS pools itself (STRICT_DNS), as often as epp does.
+
+    Every address of every name becomes a host of the one ``pool`` cluster, so override_host
+    finds the replicas epp picks and retries walk epp's fallback list as with static pools.
+    IP literals of static pools in the same cluster resolve to themselves. TTLs are ignored:
+    the interval is the promise (docs/discovery.md).
+    """
+    resolvers = {d.resolver for d in pools}
+    if len(resolvers) > 1:
+        raise ValueError(
+            "DNS pools name different resolvers; Envoy's pool cluster can use only one"
+        )
+    options: dict[str, Any] = {
+        "dns_refresh_rate": _duration(round(min(d.interval for d in pools) * 1000)),
+        "respect_dns_ttl": False,
+        "dns_lookup_family": "ALL",
+    }
+    resolver = resolvers.pop()
+    if resolver is not None:
+        options["typed_dns_resolver_config"] = _typed(
+            "envoy.network.dns_resolver.cares",
+            "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
+            resolvers=[{"socket_address": {"address": resolver[0], "port_value": resolver[1]}}],
+            dns_resolver_options={"no_default_search_domain": True},
+        )
+    return options
 
 
 def _health_addresses(
@@ -400,7 +605,10 @@ def _health_addresses(
 
 
 def _epp_cluster(
-    config: Config, extproc: Sequence[str], health: Sequence[str | int] | None
+    config: Config,
+    extproc: Sequence[str],
+    health: Sequence[str | int] | None,
+    tls: EppTls | None = None,
 ) -> dict[str, Any]:
     endpoints = []
     for addr, (hc_host, hc_port) in zip(
@@ -410,9 +618,11 @@ def _epp_cluster(
         if hc_host != parse_address(addr)[0]:
             hc["address"] = {"socket_address": {"address": hc_host, "port_value": hc_port}}
         endpoints.append({"endpoint": {"address": _socket(addr), "health_check_config": hc}})
-    return {
+    cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
-        "type": "STATIC",
+        # Names (compose services, Kubernetes Services) are resolved by Envoy and re-resolved
+        # when they change; a STATIC cluster accepts only IP addresses.
+        "type": "STATIC" if all(_is_ip(parse_address(a)[0]) for a in extproc) else "STRICT_DNS",
         "connect_timeout": "0.25s",
         # gRPC needs HTTP/2. No connection_keepalive: gRPC servers (grpc-python included)
         # accept a ping without data at most every 5 min by default and answer faster pings
@@ -456,6 +666,9 @@ def _epp_cluster(
             "endpoints": [{"lb_endpoints": endpoints}],
         },
     }
+    if tls is not None:
+        cluster["transport_socket"] = _upstream_tls(tls)
+    return cluster
 
 
 def bootstrap(
@@ -467,6 +680,8 @@ def bootstrap(
     extproc: Sequence[str] = ("127.0.0.1:9002",),
     health: Sequence[str | int] | None = None,
     message_timeout_ms: int = 2000,
+    eds_dir: str | None = None,
+    tls: EppTls | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as a plain dict (see :func:`render`)."""
     if mode not in MODES:
@@ -481,11 +696,18 @@ def bootstrap(
         for addr in addrs:
             # override_host matches hosts by address string, so endpoints must be IPs.
             ipaddress.ip_address(parse_address(addr)[0])
-    return {
+    out: dict[str, Any] = {}
+    if eds_dir is not None:
+        # Envoy requires a node identity for any xDS subscription, file-based ones included.
+        out["node"] = {"id": "envoy", "cluster": "epp-gateway"}
+    return out | {
         "admin": {"address": _socket(admin)},
         "static_resources": {
-            "listeners": [_listener(config, mode, listen, message_timeout_ms)],
-            "clusters": [_pool_cluster(config), _epp_cluster(config, extproc, health)],
+            "listeners": [_listener(config, mode, listen, _fit_queue(config, message_timeout_ms))],
+            "clusters": [
+                _pool_cluster(config, eds_dir),
+                _epp_cluster(config, extproc, health, tls),
+            ],
         },
     }
 
@@ -499,12 +721,16 @@ def render(
     extproc: Sequence[str] = ("127.0.0.1:9002",),
     health: Sequence[str | int] | None = None,
     message_timeout_ms: int = 2000,
+    eds_dir: str | None = None,
+    tls: EppTls | None = None,
 ) -> str:
     """Envoy 1.40 bootstrap YAML routing every request through epp.
 
     ``extproc`` lists the epp processes (``host:port``); ``health`` optionally gives each one's
     gRPC health address (``host:port`` or port), by position; see :func:`_health_addresses`
-    for the defaults. Raises ValueError on a malformed address.
+    for the defaults. ``eds_dir``: Envoy reads the pool's endpoints from the EDS file
+    ``epp serve --eds-dir`` writes there (needed for Kubernetes pools; docs/discovery.md).
+    ``tls``: reach epp over TLS (docs/security.md). Raises ValueError on a malformed address.
     """
     data = bootstrap(
         config,
@@ -514,6 +740,8 @@ def render(
         extproc=extproc,
         health=health,
         message_timeout_ms=message_timeout_ms,
+        eds_dir=eds_dir,
+        tls=tls,
     )
     header = (
         f"# Envoy bootstrap generated by `epp envoy-config` (mode: {mode}) from "
@@ -523,9 +751,15 @@ def render(
     return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
+def seed_eds(eds_dir: str | Path, config: Config) -> None:
+    """Write the EDS file Envoy needs to start, with the configuration's static endpoints."""
+    Path(eds_dir).mkdir(parents=True, exist_ok=True)
+    EdsFile(eds_dir, POOL_CLUSTER).write(config.pools)
+
+
 def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``epp envoy-config`` on the ``epp`` command's subparsers."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "envoy-config",
         help="print an Envoy bootstrap that routes through epp",
         description="Render an Envoy 1.40 bootstrap from an epp configuration file.",
@@ -549,6 +783,27 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "(default: server.health_port for one epp, ext_proc port + 1 for several)",
     )
     p.add_argument("--message-timeout-ms", type=int, default=2000, help="ext_proc message timeout")
+    p.add_argument(
+        "--eds-dir",
+        help="read the pool's endpoints from the EDS file epp serve --eds-dir writes in this "
+        "directory (required for Kubernetes pools)",
+    )
+    p.add_argument(
+        "--extproc-ca",
+        metavar="FILE",
+        help="reach epp over TLS (server.tls), trusting this CA (PEM); needs --extproc-san",
+    )
+    p.add_argument(
+        "--extproc-san",
+        metavar="NAME",
+        help="the DNS name or IP address epp's certificate must carry (also sent as SNI)",
+    )
+    p.add_argument(
+        "--client-cert",
+        metavar="FILE",
+        help="Envoy's client certificate for epp's mutual TLS (server.tls.client_ca)",
+    )
+    p.add_argument("--client-key", metavar="FILE", help="the key of --client-cert")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=run)
     return p
@@ -559,6 +814,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         extproc = args.extproc or [f"127.0.0.1:{config.server.extproc_port}"]
+        tls = _tls_args(args)
         text = render(
             config,
             mode=args.mode,
@@ -567,12 +823,46 @@ def run(args: argparse.Namespace) -> int:
             extproc=extproc,
             health=args.health,
             message_timeout_ms=args.message_timeout_ms,
+            eds_dir=args.eds_dir,
+            tls=tls,
         )
     except (ConfigError, ValueError) as exc:
         print(f"epp envoy-config: {exc}", file=sys.stderr)
         return 2
+    if args.eds_dir and not eds_path(args.eds_dir).exists():
+        # Envoy refuses to start without the file; epp serve replaces it once its sources
+        # answered. Until then: the static pools' endpoints.
+        seed_eds(args.eds_dir, config)
     if args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _tls_args(args: argparse.Namespace) -> EppTls | None:
+    """The TLS flags as one setting; ValueError names what is missing."""
+    if args.extproc_ca is None and args.extproc_san is None:
+        if args.client_cert or args.client_key:
+            raise ValueError("--client-cert/--client-key need --extproc-ca and --extproc-san")
+        return None
+    if args.extproc_ca is None or args.extproc_san is None:
+        raise ValueError(
+            "--extproc-ca and --extproc-san go together (the CA and the name to verify)"
+        )
+    if (args.client_cert is None) != (args.client_key is None):
+        raise ValueError("--client-cert and --client-key go together")
+    for path in (args.extproc_ca, args.client_cert, args.client_key):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no such file: {path} (Envoy reads it at start)")
+    # Envoy resolves relative file names against its own working directory, not ours.
+    return EppTls(
+        _absolute(args.extproc_ca),
+        args.extproc_san,
+        _absolute(args.client_cert) if args.client_cert else None,
+        _absolute(args.client_key) if args.client_key else None,
+    )
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve())

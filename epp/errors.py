@@ -7,6 +7,7 @@ into an ``ImmediateResponse`` so the client sees the same shape of error an Open
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 
 class RequestError(Exception):
@@ -20,6 +21,7 @@ class RequestError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -27,6 +29,8 @@ class RequestError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        # Extra response headers (Retry-After and the drop reason of a flow-control refusal).
+        self.headers: Mapping[str, str] = headers or {}
 
     def body(self) -> bytes:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -72,4 +76,23 @@ def overloaded(model: str) -> RequestError:
         "Retry later or send it with a higher priority.",
         type="rate_limit_error",
         code="overloaded",
+    )
+
+
+def unknown_path(method: str, path: str) -> RequestError:
+    return RequestError(
+        404,
+        f"Invalid URL ({method} {path.split('?', 1)[0] or '/'}): epp routes POST /v1/completions, "
+        "/v1/chat/completions, /v1/responses and /v1/embeddings, and answers GET /v1/models.",
+        code="unknown_url",
+    )
+
+
+def unsupported_media_type(content_type: str) -> RequestError:
+    return RequestError(
+        415,
+        f"Content-Type '{content_type}' is not JSON: send the body as application/json "
+        "(curl -d needs -H 'Content-Type: application/json').",
+        param="content-type",
+        code="unsupported_media_type",
     )

@@ -7,9 +7,12 @@ status) so a fleet of hundreds of endpoints does not blow up a dashboard.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from epp import __version__
 
 REQUESTS = Counter(
     "epp_requests_total",
@@ -80,6 +83,11 @@ CONFIG_RELOADS = Counter(
     "Configuration reload attempts by result (ok, rejected).",
     ["result"],
 )
+CONFIG_RESTART_REQUIRED = Counter(
+    "epp_config_restart_required_total",
+    "Reloaded configuration changes not applied because their section needs a restart.",
+    ["section"],
+)
 
 
 def setup_logging(level: str = "info") -> None:
@@ -115,4 +123,190 @@ KV_INDEX_BLOCKS = Gauge(
     "epp_kv_index_blocks",
     "Distinct engine KV blocks in the precise prefix index, per endpoint.",
     ["endpoint"],
+)
+
+
+# -- responses (epp/extproc/response_stream.py) ----------------------------------------------
+# Names GIE and llm-d users already query keep their names and labels (model_name,
+# target_model_name; epp rewrites no model, so both hold the requested one); epp-only ones
+# are prefixed epp_.
+
+_MODEL = ["model_name", "target_model_name"]
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+OBJECTIVE_REQUESTS = Counter(
+    "inference_objective_request_total", "Requests epp routed, per model.", _MODEL
+)
+OBJECTIVE_ERRORS = Counter(
+    "inference_objective_request_error_total",
+    "Routed requests whose response failed: the upstream status (e.g. 500) or 'incomplete' "
+    "(the stream closed before the response ended).",
+    [*_MODEL, "error_code"],
+)
+REQUEST_DURATION = Histogram(
+    "inference_objective_request_duration_seconds",
+    "From the request's arrival at epp to the end of its response, seen at the gateway.",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+NORMALIZED_TPOT = Histogram(
+    "inference_objective_normalized_time_per_output_token_seconds",
+    "Request duration divided by its output tokens (responses that reported usage).",
+    _MODEL,
+    buckets=_PER_TOKEN_BUCKETS,
+)
+INPUT_TOKENS = Histogram(
+    "inference_objective_input_tokens",
+    "Prompt tokens per request (reported usage).",
+    _MODEL,
+    buckets=_TOKEN_BUCKETS,
+)
+OUTPUT_TOKENS = Histogram(
+    "inference_objective_output_tokens",
+    "Output tokens per request (reported usage).",
+    _MODEL,
+    buckets=_TOKEN_BUCKETS,
+)
+CACHED_TOKENS = Histogram(
+    "llm_d_epp_request_cached_tokens",
+    "Prompt tokens served from the prefix cache per request (when the engine reports them).",
+    _MODEL,
+    buckets=_TOKEN_BUCKETS,
+)
+TTFT = Histogram(
+    "llm_d_epp_request_ttft_seconds",
+    "Time to first token of streamed responses, from the request's arrival at epp to the "
+    "first SSE event carrying output.",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "llm_d_epp_request_streaming_itl_seconds",
+    "Gaps between consecutive SSE events carrying output (one event may carry several tokens).",
+    _MODEL,
+    buckets=_PER_TOKEN_BUCKETS,
+)
+TPOT = Histogram(
+    "epp_request_tpot_seconds",
+    "Time per output token of streamed responses: first to last token event over "
+    "completion_tokens - 1.",
+    _MODEL,
+    buckets=_PER_TOKEN_BUCKETS,
+)
+TOKENS = Counter(
+    "epp_tokens_total",
+    "Tokens of finished responses by model, objective (configured names only) and kind "
+    "(prompt, completion, cached).",
+    ["model", "objective", "kind"],
+)
+RESPONSES = Counter(
+    "epp_endpoint_responses_total",
+    "Upstream responses per endpoint that served them (after retries) and status class.",
+    ["endpoint", "code"],
+)
+RESPONSE_CODES = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
+
+
+def response_code(status: int) -> str:
+    """The ``code`` label of :data:`RESPONSES`: the status class, bounded to six values."""
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
+
+
+def forget_endpoint_responses(endpoint: str) -> None:
+    """Drop an endpoint's response series when it leaves, so label sets stay bounded."""
+    for code in RESPONSE_CODES:
+        RESPONSES.remove(endpoint, code)  # absent label sets are ignored
+
+
+MOVED = Counter(
+    "epp_requests_moved_total",
+    "Requests a retry moved off the picked endpoint, with their accounting (in flight, "
+    "prefix index, session).",
+)
+
+
+EJECTED = Gauge(
+    "epp_endpoint_ejected",
+    "1 while passive health keeps the endpoint out of scheduling (open or half-open circuit).",
+    ["pool", "endpoint"],
+)
+EJECTIONS = Counter(
+    "epp_endpoint_ejections_total",
+    "Ejections passive health decided in this process, by reason (consecutive, error-rate, "
+    "latency, probation: a failure soon after a readmission, trial-<failure>: a failed "
+    "half-open trial).",
+    ["pool", "endpoint", "reason"],
+)
+EJECTION_REASONS = (
+    "consecutive",
+    "error-rate",
+    "latency",
+    "probation",
+    "trial-5xx",
+    "trial-incomplete",
+    "trial-retried",
+    "trial-latency",
+)
+
+
+def set_ejected(pool: str, endpoint: str, ejected: bool) -> None:
+    EJECTED.labels(pool, endpoint).set(1 if ejected else 0)
+
+
+def forget_endpoint_health(pool: str, endpoint: str) -> None:
+    """Drop an endpoint's health series when it leaves, so label sets stay bounded."""
+    EJECTED.remove(pool, endpoint)  # absent label sets are ignored
+    for reason in EJECTION_REASONS:
+        EJECTIONS.remove(pool, endpoint, reason)
+
+
+# -- request results, scheduler latency, build info (docs/metrics.md) -------------------------
+
+RESULTS = Counter(
+    "epp_request_results_total",
+    "Every request epp saw, by how it ended: ok, a refusal epp answered itself (bad_request, "
+    "model_not_found, too_large, rate_limited, no_endpoint, refused_other) or a routed "
+    "request's failed response (upstream_4xx, upstream_5xx, incomplete).",
+    ["reason"],
+)
+# epp's own refusals by HTTP status; anything else is refused_other (bounded label values).
+REFUSAL_REASONS = {
+    400: "bad_request",
+    404: "model_not_found",
+    413: "too_large",
+    429: "rate_limited",
+    503: "no_endpoint",
+}
+
+
+def refusal_reason(status: int) -> str:
+    """The :data:`RESULTS` reason of a request epp refused with ``status``."""
+    return REFUSAL_REASONS.get(status, "refused_other")
+
+
+INFO = Gauge(
+    "inference_extension_info",
+    "Always 1; its labels name the running build (GIE's name, for dashboards that read it).",
+    ["commit", "build_ref"],
+)
+# The commit comes from the build (the Dockerfile can pass EPP_COMMIT); a source checkout says so.
+INFO.labels(os.environ.get("EPP_COMMIT", "unknown"), __version__).set(1)
+# -- flow control (epp/admission/controller.py), GIE's names ---------------------------------
+FLOW_QUEUE_SIZE = Gauge(
+    "inference_extension_flow_control_queue_size",
+    "Requests held by flow control, per pool (model), priority and fairness id.",
+    ["inference_pool", "priority", "fairness_id"],
+)
+FLOW_QUEUE_DURATION = Histogram(
+    "inference_extension_flow_control_request_queue_duration_seconds",
+    "Time requests spent held by flow control, by outcome (dispatched, rejected, cancelled).",
+    ["inference_pool", "priority", "outcome"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+POOL_SATURATION = Gauge(
+    "inference_extension_flow_control_pool_saturation",
+    "1 when every candidate endpoint of the pool (model) was full at the last check, else 0.",
+    ["inference_pool"],
 )

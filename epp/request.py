@@ -5,17 +5,32 @@ wrong route) and lenient about fields it does not need (they pass through to the
 The prompt text extracted here is what prefix scorers hash, so its construction matters: for
 chat the conversation is laid out message by message in order, so that a later turn's text
 starts with exactly the text of the earlier turns and matches their cached blocks.
+
+Chat and responses conversations are kept structured (:class:`ChatMessage`: a role and typed
+content parts). Both the text prefix scorers hash (:func:`hashing_text`) and the chat template's
+input (:meth:`ChatMessage.template_content`) are derived from that structure here, with every
+separator declared once below, so they cannot drift apart or from the engine's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from epp.errors import bad_request
+from epp import wire
+from epp.errors import (
+    RequestError,
+    bad_request,
+    body_too_large,
+    model_not_found,
+    unknown_path,
+    unsupported_media_type,
+)
 
 Api = Literal["completions", "chat", "responses", "embeddings"]
 
@@ -33,19 +48,105 @@ DEFAULT_OUTPUT_TOKENS = 256
 # Characters per token of English text under common BPE tokenizers, for estimates only.
 CHARS_PER_TOKEN = 4
 
-# Separators that cannot appear in ordinary text keep "role + content" boundaries unambiguous.
-_ROLE_SEP = "\x1f"
-_MSG_SEP = "\x1e"
+# vLLM joins the non-empty text parts of one message with a newline before rendering a template
+# that takes string content (vllm/entrypoints/chat_utils.py, ``"\n".join(texts)``). Token ids
+# epp derives for multi-part content match the engine's only with the same rule.
+TEXT_PART_SEPARATOR = "\n"
+# Separators that cannot appear in ordinary text keep "role + content" boundaries unambiguous
+# in the hashing text; a media part is marked so that its reference never equals a text part.
+ROLE_SEPARATOR = "\x1f"
+MESSAGE_SEPARATOR = "\x1e"
+MEDIA_MARK = "\x1d"
+
+PartKind = Literal["text", "image", "other"]
+# Content part types vLLM reads as text, and the key each keeps its text under.
+_TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+}
+_IMAGE_PART_TYPES = frozenset({"image_url", "input_image"})
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One part of a message's content: text, an image, or other media (audio, video, file).
+
+    ``value`` is the text of a text part, and for media a stable reference to it (its URL, or
+    the part as canonical JSON) so that two different images never hash alike.
+    """
+
+    kind: PartKind
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """A chat message as the engine's chat handling sees it: a role and its content parts."""
+
+    role: str
+    parts: tuple[ContentPart, ...]
+
+    @property
+    def text_only(self) -> bool:
+        return all(p.kind == "text" for p in self.parts)
+
+    def text(self) -> str:
+        """The content as the engine passes it to a template that takes strings (empty text
+        parts dropped, as vLLM drops them before joining)."""
+        return TEXT_PART_SEPARATOR.join(p.value for p in self.parts if p.kind == "text" and p.value)
+
+    def template_content(self, as_parts: bool) -> str | list[dict[str, str]]:
+        """The ``content`` a chat template sees: a string, or (for templates that iterate over
+        content, vLLM's "openai" content format) the list of text parts."""
+        if as_parts:
+            return [{"type": "text", "text": p.value} for p in self.parts if p.kind == "text"]
+        return self.text()
+
+
+def hashing_text(messages: Sequence[ChatMessage]) -> str:
+    """The conversation laid out for prefix hashing: each message's role, then its parts in
+    order (text as it is, media as a marked reference), so a later turn extends an earlier one."""
+    return "".join(
+        message.role
+        + ROLE_SEPARATOR
+        + TEXT_PART_SEPARATOR.join(
+            p.value if p.kind == "text" else f"{MEDIA_MARK}{p.kind}:{p.value}{MEDIA_MARK}"
+            for p in message.parts
+            if p.value or p.kind != "text"
+        )
+        + MESSAGE_SEPARATOR
+        for message in messages
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """Who a bearer API key belongs to: its fairness id and (optionally) its objective."""
+
+    tenant: str
+    objective: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RequestPolicy:
-    """Which headers carry priority and session, and how objectives map to priorities."""
+    """Which headers carry priority, objective, fairness id and session, how objectives map to
+    priorities, and which of those sources are trusted (docs/admission.md).
 
-    session_header: str = "x-session-token"
-    priority_header: str = "x-priority"
-    objective_header: str = "x-gateway-inference-objective"
+    Identity and priority are taken from the headers only when ``trusted_headers`` says the
+    gateway sets them (after authentication, overwriting client copies); a request whose
+    ``authorization: Bearer KEY`` is in ``api_keys`` gets that key's tenant and objective
+    whatever its headers say; anything else gets the default objective and flow.
+    """
+
+    session_header: str = wire.SESSION_HEADER
+    priority_header: str = wire.PRIORITY_HEADER
+    objective_header: str = wire.OBJECTIVE_HEADER
+    fairness_header: str = wire.FAIRNESS_HEADER
     objectives: Mapping[str, int] = field(default_factory=dict)
+    trusted_headers: bool = True
+    api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -56,16 +157,21 @@ class InferenceRequest:
     path: str
     api: Api
     model: str
+    # The text prefix scorers hash (for chat and responses: :func:`hashing_text` of messages).
     prompt: str
     prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     stream: bool = False
     priority: int = 0
+    # The flow it shares its band's dispatches with (tenant); one flow unless identified.
+    fairness_id: str = wire.DEFAULT_FLOW
     session: str | None = None
     # The LoRA adapter the request runs on (set by the router from the model's configuration).
     lora: str | None = None
     body_size: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
+    # The conversation, for chat and responses requests (empty for the others).
+    messages: tuple[ChatMessage, ...] = ()
 
     def prompt_tokens(self) -> int:
         """Prompt length in tokens: exact for token prompts, estimated from characters else."""
@@ -97,42 +203,149 @@ def parse_request(
     headers: Mapping[str, str],
     body: bytes,
     policy: RequestPolicy,
+    models: Collection[str] | None = None,
 ) -> InferenceRequest:
-    """Parse an OpenAI request body; raise :class:`~epp.errors.RequestError` (400) if malformed."""
+    """Parse an OpenAI request body; raise :class:`~epp.errors.RequestError` if malformed (400)
+    or, when ``models`` are given, if it names none of them (404).
+
+    The model is checked before the rest of the body, as OpenAI does (an unknown model is 404
+    ``model_not_found`` whatever else the body lacks): the model decides where a request could
+    go and which API fields its engine would want, so it is the first thing to get right.
+    """
     api = api_for_path(path)
     if api is None:
-        raise bad_request(
-            f"Unsupported path '{path}': epp routes /v1/completions, /v1/chat/completions, "
-            "/v1/responses and /v1/embeddings."
-        )
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.") from None
-    if not isinstance(data, dict):
-        raise bad_request("Request body must be a JSON object.")
+        raise unknown_path(headers.get(":method", "POST"), path)
+    data = load_body(body)
 
     model = data.get("model")
     if model is None:
         raise bad_request("Missing required field 'model'.", "model")
     if not isinstance(model, str) or not model:
         raise bad_request("Field 'model' must be a non-empty string.", "model")
+    if models is not None and model not in models:
+        raise model_not_found(model, list(models))
 
-    prompt, token_ids = _PROMPT_READERS[api](data)
+    try:
+        prompt, token_ids, messages = _PROMPT_READERS[api](data)
+    except RecursionError:
+        raise _too_deep() from None
+    _check_encodable(prompt)
+    priority, fairness_id = _identity(headers, policy)
     return InferenceRequest(
-        request_id=headers.get("x-request-id") or os.urandom(12).hex(),
+        request_id=headers.get(wire.REQUEST_ID) or os.urandom(12).hex(),
         path=path,
         api=api,
         model=model,
         prompt=prompt,
+        messages=messages,
         prompt_token_ids=token_ids,
         max_tokens=_max_tokens(api, data),
         stream=_optional(data, "stream", bool) or False,
-        priority=_priority(headers, policy),
+        priority=priority,
+        fairness_id=fairness_id,
         session=headers.get(policy.session_header) or None,
         body_size=len(body),
         headers=headers,
     )
+
+
+def check_headers(headers: Mapping[str, str], max_body_bytes: int) -> RequestError | None:
+    """What the request headers alone show to be refused, answered before any body arrives
+    (so a client that waits for ``100 Continue``, or reads while it sends, is spared the
+    upload): a path that is no inference API (404), a declared body over the limit (413), a
+    Content-Type that is not JSON (415). None when the headers are acceptable."""
+    path = headers.get(":path", "")
+    if api_for_path(path) is None:
+        return unknown_path(headers.get(":method", "POST"), path)
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        return body_too_large(int(declared), max_body_bytes)
+    content_type = headers.get("content-type")
+    if content_type is not None and not _is_json_media_type(content_type):
+        return unsupported_media_type(content_type)
+    return None
+
+
+def _is_json_media_type(value: str) -> bool:
+    """``application/json`` or a ``+json`` type, parameters (charset) ignored. An absent
+    Content-Type is accepted as JSON, as the engine (FastAPI) accepts it."""
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def load_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 naming what is wrong with it.
+
+    Stricter than :func:`json.loads` where leniency would let epp and the engine read one body
+    two ways, or let a body crash epp: duplicate keys anywhere (which of two ``model`` values
+    routes?), ``NaN``/``Infinity`` and numbers that overflow to infinity (not JSON), nesting
+    deeper than the interpreter's recursion limit (about 1000 levels: a 400, never a 500).
+    Integers longer than Python's 4300-digit limit fail in the decoder itself.
+    """
+    try:
+        data = json.loads(
+            body,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+        )
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"Request body must be a JSON object, got {_json_kind(data)}.")
+    return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        counts = Counter(k for k, _ in pairs)
+        duplicate = next(k for k, n in counts.items() if n > 1)
+        raise ValueError(f"duplicate key '{duplicate}' in an object")
+    return data
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"'{name}' is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _too_deep() -> RequestError:
+    return bad_request(
+        "Request body nests arrays or objects too deeply (about 1000 levels is the limit)."
+    )
+
+
+def _check_encodable(text: str) -> None:
+    """The prompt text epp hashes must be valid Unicode: a ``\\ud800`` escape decodes to a
+    lone surrogate, which no UTF-8 encoder (epp's hashing, the engine's tokenizer) accepts."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"Request text contains a lone UTF-16 surrogate ({text[exc.start]!a}); "
+            "escape characters outside the BMP as a surrogate pair."
+        ) from None
 
 
 def _optional(data: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -154,12 +367,24 @@ def _max_tokens(api: Api, data: Mapping[str, Any]) -> int | None:
         "embeddings": (),
     }[api]
     for key in keys:
-        value = _optional(data, key, int)
+        value: int | None = _optional(data, key, int)
         if value is not None:
             if value < 0:
                 raise bad_request(f"Field '{key}' must be >= 0.", key)
             return value
     return None
+
+
+def _identity(headers: Mapping[str, str], policy: RequestPolicy) -> tuple[int, str]:
+    """Priority and fairness id, from trusted sources only: an untrusted client's headers
+    cannot raise its priority or pose as another tenant."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    key = policy.api_keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    if key is not None:
+        return policy.objectives.get(key.objective or "", 0), key.tenant
+    if not policy.trusted_headers:
+        return 0, wire.DEFAULT_FLOW
+    return _priority(headers, policy), headers.get(policy.fairness_header) or wire.DEFAULT_FLOW
 
 
 def _priority(headers: Mapping[str, str], policy: RequestPolicy) -> int:
@@ -177,30 +402,34 @@ def _priority(headers: Mapping[str, str], policy: RequestPolicy) -> int:
     return 0
 
 
-def _completion_prompt(data: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+# A prompt as read from a body: the text to hash, token ids if given, the conversation if any.
+_Prompt = tuple[str, tuple[int, ...] | None, tuple[ChatMessage, ...]]
+
+
+def _completion_prompt(data: Mapping[str, Any]) -> _Prompt:
     return _text_or_tokens(data, "prompt")
 
 
-def _embedding_input(data: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+def _embedding_input(data: Mapping[str, Any]) -> _Prompt:
     return _text_or_tokens(data, "input")
 
 
-def _text_or_tokens(data: Mapping[str, Any], key: str) -> tuple[str, tuple[int, ...] | None]:
+def _text_or_tokens(data: Mapping[str, Any], key: str) -> _Prompt:
     """A prompt as vLLM accepts it: a string, strings, token ids, or lists of token ids."""
     value = data.get(key)
     if value is None:
         raise bad_request(f"Missing required field '{key}'.", key)
     if isinstance(value, str):
-        return value, None
+        return value, None, ()
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
-            return "\n".join(value), None
+            return "\n".join(value), None, ()
         if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return "", tuple(value)
+            return "", tuple(value), ()
         if all(isinstance(v, list) for v in value):
             flat = [t for seq in value for t in seq]
             if all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
-                return "", tuple(flat)
+                return "", tuple(flat), ()
     raise bad_request(
         f"Field '{key}' must be a string, an array of strings, an array of token ids "
         "or an array of token id arrays.",
@@ -208,58 +437,80 @@ def _text_or_tokens(data: Mapping[str, Any], key: str) -> tuple[str, tuple[int, 
     )
 
 
-def _chat_prompt(data: Mapping[str, Any]) -> tuple[str, None]:
+def _chat_prompt(data: Mapping[str, Any]) -> _Prompt:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("Field 'messages' must be a non-empty array.", "messages")
-    return _conversation(messages, "messages"), None
+    conversation = _conversation(messages, "messages")
+    return hashing_text(conversation), None, conversation
 
 
-def _responses_prompt(data: Mapping[str, Any]) -> tuple[str, None]:
+def _responses_prompt(data: Mapping[str, Any]) -> _Prompt:
     instructions = _optional(data, "instructions", str)
     value = data.get("input")
+    conversation: tuple[ChatMessage, ...]
     if isinstance(value, str):
-        text = f"user{_ROLE_SEP}{value}{_MSG_SEP}"
+        conversation = (ChatMessage("user", (ContentPart("text", value),)),)
     elif isinstance(value, list) and value:
-        text = _conversation(value, "input")
+        conversation = _conversation(value, "input")
     else:
         raise bad_request("Field 'input' must be a string or a non-empty array.", "input")
     if instructions:
-        text = f"system{_ROLE_SEP}{instructions}{_MSG_SEP}{text}"
-    return text, None
+        conversation = (ChatMessage("system", (ContentPart("text", instructions),)), *conversation)
+    return hashing_text(conversation), None, conversation
 
 
-def _conversation(messages: list[Any], key: str) -> str:
-    parts: list[str] = []
+def _conversation(messages: list[Any], key: str) -> tuple[ChatMessage, ...]:
+    conversation: list[ChatMessage] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"'{key}[{i}]' must be an object.", key)
         role = message.get("role", message.get("type", ""))
         if not isinstance(role, str):
             raise bad_request(f"'{key}[{i}].role' must be a string.", key)
-        parts.append(f"{role}{_ROLE_SEP}{_content_text(message.get('content'), key, i)}{_MSG_SEP}")
-    return "".join(parts)
+        conversation.append(ChatMessage(role, _content_parts(message.get("content"), key, i)))
+    return tuple(conversation)
 
 
-def _content_text(content: Any, key: str, index: int) -> str:
-    """Text of a message's content: a string, or the text (and media references) of its parts."""
+def _content_parts(content: Any, key: str, index: int) -> tuple[ContentPart, ...]:
+    """A message's content as parts, as vLLM reads it: a string is one text part, a text part
+    without text is skipped (an empty one is kept: templates that iterate over parts see it)."""
     if content is None:
-        return ""
+        return ()
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict):
-                # Media parts contribute their reference so different images never match.
-                value = part.get("text", part.get("image_url", part.get("input_audio", "")))
-                texts.append(value if isinstance(value, str) else json.dumps(value, sort_keys=True))
-            else:
-                raise bad_request(f"'{key}[{index}].content' has a malformed part.", key)
-        return "".join(texts)
-    raise bad_request(f"'{key}[{index}].content' must be a string or an array of parts.", key)
+        return (ContentPart("text", content),)
+    if not isinstance(content, list):
+        raise bad_request(f"'{key}[{index}].content' must be a string or an array of parts.", key)
+    parts: list[ContentPart] = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(ContentPart("text", part))
+        elif isinstance(part, dict):
+            parsed = _typed_part(part, key)
+            if parsed is not None:
+                parts.append(parsed)
+        else:
+            raise bad_request(f"'{key}[{index}].content' has a malformed part.", key)
+    return tuple(parts)
+
+
+def _typed_part(part: Mapping[str, Any], key: str) -> ContentPart | None:
+    kind = part.get("type", "text")
+    if not isinstance(kind, str):
+        raise bad_request("A content part's 'type' must be a string.", key)
+    text_key = _TEXT_PART_KEYS.get(kind)
+    if text_key is not None:
+        text = part.get(text_key)
+        if text is None:
+            return None
+        if not isinstance(text, str):
+            raise bad_request(f"A '{kind}' content part's '{text_key}' must be a string.", key)
+        return ContentPart("text", text)
+    media = part.get("image_url", part.get("input_audio", part))
+    reference = media.get("url") if isinstance(media, dict) else media
+    if not isinstance(reference, str):
+        reference = json.dumps(media, sort_keys=True)
+    return ContentPart("image" if kind in _IMAGE_PART_TYPES else "other", reference)
 
 
 _PROMPT_READERS = {

@@ -1,7 +1,9 @@
 """From a parsed request to a routing decision: model lookup, candidates, profile, fallbacks.
 
 The router reads only the current :class:`~epp.config.Config` and the store's local snapshot,
-so a decision costs no I/O. A configuration reload swaps ``config`` in one assignment; a request
+so a decision costs no I/O. The router owns the profile builder: each configuration swap builds
+the selected profile's plugins from the configuration's plain specification; what plugins learn
+lives in the fleet state, so the new instances carry on where the old ones stopped. A request
 that already started keeps the objects it captured.
 """
 
@@ -15,10 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from epp import errors
+from epp.admission.controller import FlowController
+from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
-from epp.observability import DECISION_SECONDS, PICKS, REQUESTS
+from epp.metrics.demand import PoolDemand
+from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
 from epp.request import InferenceRequest
-from epp.scheduling import Cycle, Decision
+from epp.scheduling import Cycle, Decision, Profile, build_profile
+from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
@@ -34,6 +40,10 @@ class Router:
 
     def __init__(self, config: Config, fleet: FleetState) -> None:
         self.fleet = fleet
+        # Autoscaling signals (docs/autoscaling.md); survives reloads, like the fleet state.
+        self.demand = PoolDemand(config.autoscaling)
+        # Holds requests while their pool is saturated (admission mode ``queue``).
+        self.flow = FlowController(QueueLimits(), self.pool_saturated)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -44,23 +54,54 @@ class Router:
     @config.setter
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once.
+        self._profile = build_profile(config.scheduling.selected)
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
+        self.demand.policy = config.autoscaling
+        self.demand.forget(set(config.pools))
         self._config = config
+        self.flow.limits = config.flow_control.limits
+
+    @property
+    def profile(self) -> Profile:
+        """The selected profile's plugins, built from the current configuration."""
+        return self._profile
 
     def models_body(self) -> bytes:
         """The ``GET /v1/models`` answer: every configured model across all pools."""
         return self._models_body
 
     def needs_preparation(self) -> bool:
-        """Whether requests must pass through :meth:`prepare` before :meth:`route`."""
-        return bool(self._config.profile.prepare)
+        """Whether requests must pass through :meth:`prepare` and :meth:`admit` (awaited)
+        before :meth:`route`."""
+        return bool(self._profile.prepare) or self._config.flow_control.mode == "queue"
+
+    async def admit(self, request: InferenceRequest) -> None:
+        """With flow control on, wait until the request's pool has room; raise a 429/503
+        :class:`~epp.errors.RequestError` when the queue refuses it. Route right after this
+        returns (no await in between), so the dispatcher sees the request in flight."""
+        if self._config.flow_control.mode == "queue" and request.model in self._candidates:
+            await self.flow.admit(request.model, request.priority, request.fairness_id)
+
+    def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
+        """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;
+        ``sheddable``: with the share reserved for priority >= 0 counted as taken)."""
+        snapshot = self.fleet.store.snapshot()
+        candidates = [
+            snapshot.endpoints.get(a) or EndpointState(a, self._pools[a])
+            for a in self._candidates.get(model, ())
+        ]
+        saturated = self._config.admission.saturated(
+            candidates, time.time(), self.fleet.inflight.load, sheddable
+        )
+        POOL_SATURATION.labels(model).set(float(saturated))
+        return saturated
 
     async def prepare(self, request: InferenceRequest) -> None:
         """Await what the profile's plugins need before scoring (a long prompt's tokens); a
         failure here only costs the request that plugin's information, never the request."""
-        for plugin in self._config.profile.prepare:
+        for plugin in self._profile.prepare:
             try:
                 await plugin.prepare(request, self.fleet)
             except Exception:
@@ -95,11 +136,16 @@ class Router:
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
+        self._arrived(candidates)
         cycle = Cycle(snapshot, self.fleet, config.weights)
-        if request.priority < 0 and config.admission.saturated(candidates, cycle.now):
+        if (
+            config.flow_control.mode == "shed"
+            and request.priority < 0
+            and config.admission.saturated(candidates, cycle.now, self.fleet.inflight.load, True)
+        ):
             raise errors.overloaded(request.model)
         explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
-        decision = config.profile.run(
+        decision = self._profile.run(
             request,
             candidates,
             cycle,
@@ -113,7 +159,8 @@ class Router:
                 request.model, f"{ready} of {len(candidates)} endpoints are ready"
             )
         first = decision.endpoints[0]
-        cached = cycle.cached_tokens().get(first.address, 0)
+        # Optional: a profile without a prefix producer counts the whole prompt as uncached.
+        cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
@@ -134,9 +181,23 @@ class Router:
         while len(self.decisions) > RECENT_DECISIONS:
             self.decisions.popitem(last=False)
 
+    def _arrived(self, candidates: Sequence[EndpointState]) -> None:
+        """Count the request as demand on its pools, whether or not it can be served now:
+        refused for lack of a ready replica, it is the demand that should scale one up."""
+        pools = {c.pool for c in candidates}
+        for pool in pools:
+            self.demand.arrived(pool, 1.0 / len(pools))
+
+    def served(self, endpoint: str, seconds: float) -> None:
+        """A response from ``endpoint`` completed in ``seconds``: its pool's service rate."""
+        pool = self._pools.get(endpoint)
+        if pool is not None:
+            self.demand.completed(pool, seconds)
+
     def finish(self, ticket: Ticket) -> None:
         """The request's stream ended: its work no longer counts against the endpoint."""
         self.fleet.inflight.release(ticket)
+        self.flow.wake()
 
 
 def _models_body(config: Config) -> bytes:

@@ -2,7 +2,10 @@
 
 Background tasks (scraping, store sync, health, config reload) write state; the gRPC handlers
 only read it. A reload validates the new file first and keeps the old configuration if the new
-one is bad; streams in flight finish with the configuration they started with.
+one is bad; streams in flight finish with the configuration they started with. What a reload
+applies is decided by one table, :data:`epp.config.SECTIONS`: reloadable sections take effect
+(the scrape timing included, with everything derived from the interval), restart-only ones are
+logged once and counted in ``epp_config_restart_required_total{section}``.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
-from epp.config import Config, ConfigError, load_config
+from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
+from epp.discovery import Discovery, DiscoveryOptions
 from epp.extproc.health import Health
 from epp.extproc.servicer import ExtProcServicer
-from epp.observability import CONFIG_RELOADS
+from epp.metrics.pool_gauges import PoolGauges
+from epp.observability import CONFIG_RELOADS, CONFIG_RESTART_REQUIRED
 from epp.prefix.invalidation import CacheInvalidator
 from epp.router import Router
 from epp.sources.kv_events import KvEventSubscriber
@@ -35,9 +41,12 @@ from epp.state.memory import MemoryStore
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import SharedState
+from epp.tls import client_context, grpc_credentials, server_context
 
 log = logging.getLogger("epp.server")
 
+# How long a starting epp waits for the shared state before serving from its own.
+FIRST_SYNC_SECONDS = 1.0
 RELOAD_POLL_SECONDS = 1.0
 
 GRPC_OPTIONS = [
@@ -81,10 +90,26 @@ def make_shared(config: Config, store: StateStore) -> tuple[FleetState, SharedSt
 
 
 class Server:
-    """One epp process."""
+    """One epp process.
 
-    def __init__(self, config_path: Path, config: Config) -> None:
+    ``config`` is what runs (command-line overrides applied), ``loaded`` the file as read at
+    start (default: ``config``): a reload compares restart-only sections with the file, so an
+    override is not reported as a change on every reload. ``discovery``: command-line additions
+    to endpoint discovery (--pool-name, --eds-dir).
+    """
+
+    def __init__(
+        self,
+        config_path: Path,
+        config: Config,
+        *,
+        loaded: Config | None = None,
+        discovery: DiscoveryOptions | None = None,
+    ) -> None:
         self.config_path = config_path
+        self._loaded = loaded if loaded is not None else config
+        # Restart-only section -> the file's value last reported as not applied.
+        self._reported: dict[str, object] = {}
         self.store = make_store(config)
         self.fleet, self.shared = make_shared(config, self.store)
         self.router = Router(config, self.fleet)
@@ -96,8 +121,12 @@ class Server:
             owns=self.shared.owns if self.shared is not None else None,
         )
         self.health = Health(self.store)
+        self.pool_gauges = PoolGauges(
+            self.store.snapshot, lambda: self.router.config.pools, self.router.demand
+        )
         self._invalidator = CacheInvalidator(self.fleet.prefix)
         self.kv_events = KvEventSubscriber(self.fleet.precise)
+        self.discovery = Discovery(self._endpoints_changed, discovery)
         self._grpc: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._health_grpc: grpc.aio.Server | None = None
@@ -107,12 +136,18 @@ class Server:
     async def run(self) -> None:
         config = self.router.config
         await self.store.start()
+        self.discovery.configure(config)
+        config = self._use(config)
         if self.shared is not None:
-            self.shared.set_endpoints(config.endpoint_pools())
             await self.shared.start()
-        self.scraper.set_endpoints(config.endpoint_pools())
         await self.scraper.start()
+        # Serve only once the group's endpoint states are in the local snapshot (bounded: with
+        # Redis down, local state after one second rather than not at all).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_SYNC_SECONDS):
+                await self.store.first_sync()
         self._apply_prefix_sources(config)
+        self._apply_trust(config)
         await self.kv_events.start()
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
@@ -120,22 +155,38 @@ class Server:
             ExtProcServicer(self.router), self._grpc
         )
         host = config.server.host
-        self._grpc.add_insecure_port(f"{host}:{config.server.extproc_port}")
+        tls = config.server.tls
         self._health_grpc = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._health_grpc)
-        self._health_grpc.add_insecure_port(f"{host}:{config.server.health_port}")
-        self._admin = web.AppRunner(build_app(self.router), access_log=None)
+        # Health shares the ext_proc port's credentials: Envoy's health checks use the epp
+        # cluster's transport socket.
+        for server, port in (
+            (self._grpc, config.server.extproc_port),
+            (self._health_grpc, config.server.health_port),
+        ):
+            if tls is None:
+                server.add_insecure_port(f"{host}:{port}")
+            else:
+                server.add_secure_port(f"{host}:{port}", grpc_credentials(tls))
+        REGISTRY.register(self.pool_gauges)
+        self._admin = web.AppRunner(build_app(self.router, config.server), access_log=None)
         await self._admin.setup()
-        await web.TCPSite(self._admin, host, config.server.metrics_port).start()
+        await web.TCPSite(
+            self._admin,
+            host,
+            config.server.metrics_port,
+            ssl_context=None if tls is None else server_context(tls),
+        ).start()
         await self._grpc.start()
         await self._health_grpc.start()
         await self.health.start()
         log.info(
-            "epp serving ext_proc on %s:%d (health :%d, metrics :%d), %d models, %d endpoints",
+            "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
             host,
             config.server.extproc_port,
             config.server.health_port,
             config.server.metrics_port,
+            "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
             len(config.models),
             len(config.endpoint_pools()),
         )
@@ -159,6 +210,8 @@ class Server:
         await self._health_grpc.stop(grace=0)
         if self._admin is not None:
             await self._admin.cleanup()
+        REGISTRY.unregister(self.pool_gauges)
+        await self.discovery.stop()
         await self.scraper.stop()
         await self.kv_events.stop()
         if self.shared is not None:
@@ -185,6 +238,18 @@ class Server:
         self.fleet.tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
         self.kv_events.set_endpoints(config.kv_events)
 
+    def _apply_trust(self, config: Config) -> None:
+        """TLS for scraping (files read on start and on every reload, so renewed certificates
+        are picked up) and a word about explain output going to every client."""
+        self.scraper.set_tls(
+            {pool: (client_context(t), t.server_name) for pool, t in config.metrics_tls.items()}
+        )
+        if config.routing.explain and not config.routing.explain_token:
+            log.warning(
+                "routing.explain is on without routing.explain_token: every client receives "
+                "x-epp-scores (docs/security.md)"
+            )
+
     async def reload(self) -> bool:
         """Load the config file again; apply it if valid, else keep the current one."""
         try:
@@ -193,15 +258,12 @@ class Server:
             CONFIG_RELOADS.labels("rejected").inc()
             log.error("configuration reload rejected, keeping the current one: %s", exc)
             return False
-        old = self.router.config
-        if (new.server, new.store) != (old.server, old.store):
-            log.warning("server and store settings change only on restart; applying the rest")
-            new = replace(new, server=old.server, store=old.store)
-        self.router.config = new
-        if self.shared is not None:
-            self.shared.set_endpoints(new.endpoint_pools())
-        self.scraper.set_endpoints(new.endpoint_pools())
+        new = self._keep_restart_only(new)
+        self.discovery.configure(new)
+        new = self._use(new)
         self._apply_prefix_sources(new)
+        self._apply_trust(new)
+        self._apply_scrape(new.scrape)
         CONFIG_RELOADS.labels("ok").inc()
         log.info(
             "configuration reloaded: %d models, %d endpoints",
@@ -210,6 +272,58 @@ class Server:
         )
         return True
 
+    def _use(self, config: Config) -> Config:
+        """Route with ``config``, its pools holding the endpoints discovery last published.
+
+        The router's candidate lists and the scraper's targets change in this one call: an
+        endpoint that left is out of scheduling at once; one that joined starts unready and
+        becomes a candidate only after its first successful scrape.
+        """
+        pools = self.discovery.apply(config)
+        if pools != dict(config.pools):
+            config = replace(config, pools=pools)
+        self.router.config = config
+        endpoints = config.endpoint_pools()
+        if self.shared is not None:
+            self.shared.set_endpoints(endpoints)
+        self.scraper.set_endpoints(endpoints)
+        self.fleet.health.configure(config.health, endpoints)
+        self.discovery.export(config.pools)
+        return config
+
+    def _endpoints_changed(self) -> None:
+        self._use(self.router.config)
+
+    def _keep_restart_only(self, new: Config) -> Config:
+        """``new`` with the running value of every restart-only section; a change to one is
+        logged and counted once (again only if the file changes it to yet another value)."""
+        running = self.router.config
+        kept: dict[str, object] = {}
+        for section, reload in SECTIONS.items():
+            if reload is not Reload.RESTART:
+                continue
+            wanted = getattr(new, section)
+            if wanted == getattr(self._loaded, section):
+                self._reported.pop(section, None)
+            elif self._reported.get(section) != wanted:
+                self._reported[section] = wanted
+                CONFIG_RESTART_REQUIRED.labels(section).inc()
+                log.warning(
+                    "configuration reload: the %s section changed; it takes effect on restart "
+                    "only and is NOT applied (the rest of the file is)",
+                    section,
+                )
+            kept[section] = getattr(running, section)
+        return replace(new, **kept)  # type: ignore[arg-type]
+
+    def _apply_scrape(self, scrape: ScrapeConfig) -> None:
+        """The scrape timing and what follows the interval: the state store's refresh and the
+        shared-state sync (admission's staleness is derived in the configuration itself)."""
+        self.scraper.set_timing(scrape.interval, scrape.timeout, scrape.failure_threshold)
+        self.store.set_refresh_interval(scrape.interval)
+        if self.shared is not None:
+            self.shared.set_interval(scrape.interval)
+
 
 def _mtime(path: Path) -> float:
     with contextlib.suppress(OSError):
@@ -217,11 +331,17 @@ def _mtime(path: Path) -> float:
     return 0.0
 
 
-def serve(config_path: Path, config: Config) -> int:
+def serve(
+    config_path: Path,
+    config: Config,
+    *,
+    loaded: Config | None = None,
+    discovery: DiscoveryOptions | None = None,
+) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is optional on exotic platforms
-        asyncio.run(Server(config_path, config).run())
+        asyncio.run(Server(config_path, config, loaded=loaded, discovery=discovery).run())
     else:
-        uvloop.run(Server(config_path, config).run())
+        uvloop.run(Server(config_path, config, loaded=loaded, discovery=discovery).run())
     return 0

@@ -1,8 +1,15 @@
 """gRPC health: ``liveness`` while the process runs; ``readiness`` and the ext_proc service once
-epp knows its endpoints (the first scrape round has reported), as GIE's endpoint picker does.
+epp knows its endpoints AND has heard from each of them once (a scrape answered or failed, here
+or, through Redis, in another epp).
 
-Readiness does not require a *ready* endpoint: with none, epp still answers every request with a
-clear 503, which beats Envoy failing over to nothing.
+GIE's endpoint picker serves as soon as the InferencePool has synced (``PoolHasSynced``), before
+any metrics. epp waits for the first scrape round because its ready filter drops an endpoint
+that has never answered: an epp that said "ready" earlier answered 503 ``no_ready_endpoint``
+for up to one scrape round, and after a restart in an active-active group Envoy sent it
+requests the other epp could have served (seen in tests/e2e/test_devstack_supervision.py).
+Waiting costs at most one scrape timeout, and with every replica down epp still becomes ready
+after the first failed round and answers a clear 503. Once ready, an endpoint that joins later
+(discovery) does not take readiness away: it is an unready candidate until scraped.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ class Health:
 
     async def refresh(self) -> None:
         """Recompute readiness from the snapshot; cheap enough to call on every tick."""
-        ready = bool(self._store.snapshot().endpoints)
+        endpoints = self._store.snapshot().endpoints.values()
+        ready = bool(endpoints) and (
+            bool(self._ready) or all(e.scraped_at > 0.0 or e.failures > 0 for e in endpoints)
+        )
         if ready != self._ready:
             status = _SERVING if ready else _NOT_SERVING
             await self.servicer.set("readiness", status)

@@ -8,19 +8,15 @@ forged by a client, so our Envoy configuration routes on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import cast
 
 from google.protobuf.struct_pb2 import Struct
 
 from epp._proto import core_pb2, ext_proc_pb2, http_status_pb2
 from epp.errors import RequestError
+from epp.wire import DESTINATION, LB_NAMESPACE, SCORES
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-# Metadata key carrying every candidate's scores when explaining; Envoy echoes it to the client.
-SCORES_KEY = "x-epp-scores"
 # Envoy accepts streamed body chunks up to 64 KiB; GIE uses 62,000 to leave room for framing.
 MAX_CHUNK = 62_000
 
@@ -51,7 +47,7 @@ def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
 def _routing(
     destination: str, remove: Iterable[str], content_length: int | None, scores: str | None
 ) -> tuple[ext_proc_pb2.CommonResponse, Struct]:
-    sets = [_header(DESTINATION_HEADER, destination)]
+    sets = [_header(DESTINATION, destination)]
     if content_length is not None:
         sets.append(_header("content-length", str(content_length)))
     common = ext_proc_pb2.CommonResponse(
@@ -61,9 +57,9 @@ def _routing(
     )
     metadata = Struct()
     fields = metadata.fields[LB_NAMESPACE].struct_value.fields
-    fields[DESTINATION_HEADER].string_value = destination
+    fields[DESTINATION].string_value = destination
     if scores is not None:
-        fields[SCORES_KEY].string_value = scores
+        fields[SCORES].string_value = scores
     return common, metadata
 
 
@@ -78,10 +74,13 @@ def route_in_headers(
 
 
 def route_in_body(
-    destination: str, remove: Iterable[str], scores: str | None = None
+    destination: str, remove: Iterable[str], scores: str | None = None, body: bytes | None = None
 ) -> ext_proc_pb2.ProcessingResponse:
-    """Routing answer to the buffered request-body message; the body itself is not echoed."""
-    common, metadata = _routing(destination, remove, None, scores)
+    """Routing answer to the buffered request-body message; the body itself is not echoed
+    unless epp rewrote it (``body``), which then replaces it along with its Content-Length."""
+    common, metadata = _routing(destination, remove, None if body is None else len(body), scores)
+    if body is not None:
+        common.body_mutation.body = body
     return ext_proc_pb2.ProcessingResponse(
         request_body=ext_proc_pb2.BodyResponse(response=common), dynamic_metadata=metadata
     )
@@ -110,15 +109,31 @@ def body_chunks(
             yield ext_proc_pb2.ProcessingResponse(request_body=answer)
 
 
+def replace_response_body(body: bytes) -> ext_proc_pb2.ProcessingResponse:
+    """A STREAMED response chunk replaced by ``body`` (epp removed an event from it)."""
+    return ext_proc_pb2.ProcessingResponse(
+        response_body=ext_proc_pb2.BodyResponse(
+            response=ext_proc_pb2.CommonResponse(body_mutation=ext_proc_pb2.BodyMutation(body=body))
+        )
+    )
+
+
 def immediate(
-    status: int, body: bytes, content_type: str = "application/json"
+    status: int,
+    body: bytes,
+    content_type: str = "application/json",
+    extra: Mapping[str, str] | None = None,
 ) -> ext_proc_pb2.ProcessingResponse:
     """An immediate local reply: Envoy answers the client and never contacts an upstream."""
     return ext_proc_pb2.ProcessingResponse(
         immediate_response=ext_proc_pb2.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            # An open enum: any HTTP status number is a valid value.
+            status=http_status_pb2.HttpStatus(code=cast(http_status_pb2.StatusCode, status)),
             headers=ext_proc_pb2.HeaderMutation(
-                set_headers=[_header("content-type", content_type)]
+                set_headers=[
+                    _header("content-type", content_type),
+                    *(_header(k, v) for k, v in (extra or {}).items()),
+                ]
             ),
             body=body,
         )
@@ -126,4 +141,4 @@ def immediate(
 
 
 def error_response(error: RequestError) -> ext_proc_pb2.ProcessingResponse:
-    return immediate(error.status, error.body())
+    return immediate(error.status, error.body(), extra=error.headers)

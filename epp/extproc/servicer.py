@@ -38,7 +38,14 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                     answers = handler.handle(message)
                     if handler.pending is not None:
                         await self._router.prepare(handler.pending.request)
-                        answers = handler.resume()
+                        try:
+                            # Held here while the pool is saturated; a client that goes away
+                            # cancels this coroutine, which takes it out of the queue.
+                            await self._router.admit(handler.pending.request)
+                        except errors.RequestError as error:
+                            answers = handler.refuse_pending(error)
+                        else:
+                            answers = handler.resume()
                 except Exception:
                     # A bug must cost one request a clear 500, never the process or a hang.
                     log.exception("unexpected error handling an ext_proc message")
@@ -48,7 +55,9 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                     yield answer
         finally:
             # Envoy closes the stream when the HTTP exchange ends (response sent or reset), so
-            # this is where the request stops counting against its endpoint.
+            # this is where the request stops counting against its endpoint (the one that
+            # served it, after a retry), and where an unfinished response is recorded.
+            handler.close()
             if handler.ticket is not None:
                 self._router.finish(handler.ticket)
             IN_FLIGHT.dec()

@@ -10,35 +10,50 @@ routing decision needs the whole JSON body:
   the body is complete; then epp sends the routing headers answer and streams the body back.
 
 Anything wrong with the request becomes an immediate response with an OpenAI-style error.
+
+Responses stream past too (response headers, then body chunks: STREAMED after a buffered
+request, FULL_DUPLEX_STREAMED after a full-duplex one, where each chunk must be echoed). A
+:class:`~epp.extproc.response_stream.ResponseObserver` reads the endpoint that served, the
+status, token timings and usage from them; when a retry served the request elsewhere than
+epp picked, the pick's accounting moves there (:func:`~epp.state.moves.move_pick`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.errors import RequestError
 from epp.extproc import responses
-from epp.observability import REQUESTS
-from epp.request import InferenceRequest, parse_request
+from epp.extproc.passive_health import judge, judge_retry
+from epp.extproc.response_metrics import record
+from epp.extproc.response_stream import ResponseObserver
+from epp.observability import MOVED, OBJECTIVE_REQUESTS, REQUESTS, RESULTS, refusal_reason
+from epp.request import InferenceRequest, api_for_path, check_headers, load_body, parse_request
 from epp.router import Router
 from epp.state.inflight import Ticket
+from epp.state.moves import PickRecord, move_pick, recording
+from epp.wire import (
+    CONTROL_HEADERS,
+    DESTINATION,
+    EXPLAIN,
+    LB_NAMESPACE,
+    SERVED,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
+)
 
 log = logging.getLogger("epp.extproc")
+# APIs whose streaming requests accept ``stream_options.include_usage``.
+_USAGE_OPTION_APIS = ("completions", "chat")
 
 Response = ext_proc_pb2.ProcessingResponse
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-
-# Headers a client must not be able to set: they steer routing between gateway and epp.
-CONTROL_HEADERS = (
-    responses.DESTINATION_HEADER,
-    responses.SUBSET_KEY,
-    "x-gateway-destination-endpoint-served",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +63,7 @@ class Pending:
     request: InferenceRequest
     body: bytes
     after: tuple[Response, ...]
+    rewritten: bool
 
 
 class StreamHandler:
@@ -56,18 +72,26 @@ class StreamHandler:
     __slots__ = (
         "_body",
         "_body_size",
+        "_clock",
         "_done",
         "_full_duplex",
         "_headers",
+        "_observer",
+        "_request",
         "_response_full_duplex",
         "_router",
+        "_started",
+        "_strip_usage",
         "_subset",
         "pending",
-        "ticket",
+        "pick",
     )
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter) -> None:
         self._router = router
+        # Latency timings read this clock when a message arrives (tests drive it by hand).
+        self._clock = clock
+        self._started = 0.0
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._body_size = 0
@@ -75,10 +99,19 @@ class StreamHandler:
         self._response_full_duplex = False
         self._subset: list[str] | None = None
         self._done = False
-        # In-flight accounting of the pick, released by the servicer when the stream ends.
-        self.ticket: Ticket | None = None
+        self._request: InferenceRequest | None = None
+        # epp added stream_options.include_usage: hide the usage chunk from the client.
+        self._strip_usage = False
+        self._observer: ResponseObserver | None = None
+        # The pick's footprint (in-flight ticket, prefix insertions, session); the servicer
+        # releases its ticket when the stream ends.
+        self.pick: PickRecord | None = None
         # A parsed request waiting for the servicer to await Router.prepare.
         self.pending: Pending | None = None
+
+    @property
+    def ticket(self) -> Ticket | None:
+        return None if self.pick is None else self.pick.ticket
 
     def handle(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         kind = message.WhichOneof("request")
@@ -93,21 +126,25 @@ class StreamHandler:
         if kind == "request_trailers":
             return self._on_trailers()
         if kind == "response_headers":
-            return (responses.CONTINUE_RESPONSE_HEADERS,)
+            return self._on_response_headers(message)
         if kind == "response_body":
             return self._on_response_body(message.response_body)
         if kind == "response_trailers":
+            self.close(complete=True)
             return (responses.CONTINUE_RESPONSE_TRAILERS,)
         return ()
 
     def _on_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
-        headers = self._headers
-        for h in message.request_headers.headers.headers:
-            headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        self._started = self._clock()
+        _read_headers(message.request_headers, self._headers)
         self._subset = _subset_hint(message)
         if message.request_headers.end_of_stream:
             self._done = True
             return (self._header_only(),)
+        refusal = check_headers(self._headers, self._router.config.routing.max_body_bytes)
+        if refusal is not None:
+            self._done = True
+            return (self._refuse(refusal),)
         if self._full_duplex:
             return ()
         return (responses.CONTINUE_REQUEST_HEADERS,)
@@ -122,6 +159,7 @@ class StreamHandler:
             limit = self._router.config.routing.max_body_bytes
             if self._body_size > limit:
                 self._done = True
+                self._body.clear()
                 return (self._refuse(errors.body_too_large(self._body_size, limit)),)
         if not body.end_of_stream:
             # BUFFERED_PARTIAL/STREAMED chunks are acknowledged; full duplex expects no answer.
@@ -134,30 +172,120 @@ class StreamHandler:
             return self._complete(after=(responses.CONTINUE_REQUEST_TRAILERS,))
         return (responses.CONTINUE_REQUEST_TRAILERS,)
 
+    def _on_response_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
+        headers = _read_headers(message.response_headers, {})
+        observer = self._observer = ResponseObserver(self._started, self._strip_usage)
+        observer.on_headers(headers, _served_metadata(message))
+        served = observer.served
+        if self.pick is not None and served is not None and served != self.pick.endpoint:
+            # Envoy retried: the work, the prefix blocks and the session are on `served`, and
+            # the picked endpoint failed an attempt.
+            now = time.time()
+            fleet = self._router.fleet
+            judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
+            self.pick = move_pick(fleet, self.pick, served, now)
+            MOVED.inc()
+        if message.response_headers.end_of_stream:
+            self.close(complete=True)
+        return (responses.CONTINUE_RESPONSE_HEADERS,)
+
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
+        observer = self._observer
+        forward = None
+        if observer is not None:
+            forward = observer.on_body(body.body, self._clock(), body.end_of_stream)
+            if body.end_of_stream or observer.body_complete:
+                self.close(complete=True)
         if not self._response_full_duplex:
-            return (responses.CONTINUE_RESPONSE_BODY,)
-        # Full-duplex responses must be echoed chunk by chunk; epp never changes them.
-        return tuple(responses.body_chunks(body.body, body.end_of_stream, response=True))
+            if forward is None:
+                return (responses.CONTINUE_RESPONSE_BODY,)
+            return (responses.replace_response_body(forward),)
+        # Full-duplex responses must be echoed chunk by chunk (an empty one still carries the
+        # end of stream).
+        chunk = body.body if forward is None else forward
+        return tuple(responses.body_chunks(chunk, body.end_of_stream, response=True))
+
+    def close(self, complete: bool = False) -> None:
+        """The response ended (``complete``) or its stream closed: record what it showed.
+        Idempotent; the servicer calls it when the stream ends for any reason."""
+        observer = self._observer
+        request = self._request
+        if observer is None or request is None:
+            return
+        self._observer = None
+        outcome = observer.finish(self._clock(), complete)
+        record(outcome, request.model, self._objective(request))
+        if outcome.served is not None and outcome.complete and outcome.status < 400:
+            # A stream's time after its first token is the replica's work; the time before it
+            # is mostly the queue, which must not inflate the service time.
+            self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
+        endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
+        if endpoint is not None:
+            fleet = self._router.fleet
+            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time())
+
+    def _objective(self, request: InferenceRequest) -> str:
+        """The request's objective when it is a configured one ('' otherwise): bounded."""
+        policy = self._router.config.request
+        name = request.headers.get(policy.objective_header, "")
+        return name if name in policy.objectives else ""
 
     def _complete(self, after: Sequence[Response] = ()) -> Sequence[Response]:
-        """The body is whole: parse it, then route now, or leave it in :attr:`pending` when the
-        profile has preparation to await first (the servicer awaits it, then calls
-        :meth:`resume`). ``after`` follows the routing answer."""
+        """The body is whole: parse it, then route now, or hold it in :attr:`pending` when the
+        profile has preparation to await first or flow control may hold it (the servicer awaits
+        both, then calls :meth:`resume` or :meth:`refuse_pending`); until then the stream is
+        simply not answered. ``after`` follows the routing answer."""
         self._done = True
         body = b"".join(self._body)
         self._body.clear()
         headers = self._headers
         try:
+            config = self._router.config
             request = parse_request(
-                headers.get(":path", ""), headers, body, self._router.config.request
+                headers.get(":path", ""), headers, body, config.request, config.models
             )
+            rewritten = self._ask_for_usage(request, body)
         except RequestError as error:
             return (self._refuse(error), *after)
+        if rewritten is not None:
+            body = rewritten
         if self._router.needs_preparation():
-            self.pending = Pending(request, body, tuple(after))
+            self.pending = Pending(request, body, tuple(after), rewritten is not None)
             return ()
-        return self._route(request, body, after)
+        return self._route(request, body, after, rewritten is not None)
+
+    def _ask_for_usage(self, request: InferenceRequest, body: bytes) -> bytes | None:
+        """With ``routing.inject_stream_usage``, a streaming request that did not ask for
+        usage gets ``stream_options.include_usage`` (the new body is returned) and the usage
+        chunk it brings is later removed from what the client receives."""
+        if not (
+            self._router.config.routing.inject_stream_usage
+            and request.stream
+            and request.api in _USAGE_OPTION_APIS
+        ):
+            return None
+        data = load_body(body)  # parse_request accepted it
+        options = data.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            return None
+        data["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
+        }
+        try:
+            rewritten = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        except RecursionError:
+            # Parsed near the recursion limit, the body is one level too deep to write back
+            # from here: forward it as it is, without the usage option.
+            return None
+        self._strip_usage = True
+        return rewritten
+
+    def refuse_pending(self, error: RequestError) -> Sequence[Response]:
+        """The :attr:`pending` request was refused while held (flow control: queue full, TTL)."""
+        pending = self.pending
+        self.pending = None
+        return (self._refuse(error), *(() if pending is None else pending.after))
 
     def resume(self) -> Sequence[Response]:
         """Route the :attr:`pending` request, once its preparation has been awaited."""
@@ -165,19 +293,26 @@ class StreamHandler:
         if pending is None:
             return ()
         self.pending = None
-        return self._route(pending.request, pending.body, pending.after)
+        return self._route(pending.request, pending.body, pending.after, pending.rewritten)
 
     def _route(
-        self, request: InferenceRequest, body: bytes, after: Sequence[Response]
+        self, request: InferenceRequest, body: bytes, after: Sequence[Response], rewritten: bool
     ) -> Sequence[Response]:
+        fleet = self._router.fleet
         try:
-            decision, self.ticket = self._router.route(request, self._subset)
+            with recording(fleet.prefix) as learned:
+                decision, ticket = self._router.route(request, self._subset)
         except RequestError as error:
             return (self._refuse(error), *after)
+        self.pick = PickRecord(ticket, request.session, learned)
+        fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
+        self._request = request
+        OBJECTIVE_REQUESTS.labels(request.model, request.model).inc()
         destination = ",".join(e.address for e in decision.endpoints)
-        remove = _present(self._headers, CONTROL_HEADERS)
+        remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
         scores = None
-        if decision.scores is not None:
+        routing = self._router.config.routing
+        if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             return (
@@ -185,7 +320,10 @@ class StreamHandler:
                 *responses.body_chunks(body),
                 *after,
             )
-        return (responses.route_in_body(destination, remove, scores), *after)
+        return (
+            responses.route_in_body(destination, remove, scores, body if rewritten else None),
+            *after,
+        )
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
@@ -193,32 +331,53 @@ class StreamHandler:
         path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
         if method == "GET" and path.endswith("/v1/models"):
             REQUESTS.labels("", "models").inc()
+            RESULTS.labels("ok").inc()
             return responses.immediate(200, self._router.models_body())
         return self._refuse(
             errors.bad_request(
                 f"{method} {path or '/'} has no body: epp routes OpenAI requests by the 'model' "
                 "field of their JSON body (GET /v1/models is answered by epp)."
             )
+            if api_for_path(path) is not None
+            else errors.unknown_path(method, path)
         )
 
     def _refuse(self, error: RequestError) -> Response:
         REQUESTS.labels("", str(error.status)).inc()
+        RESULTS.labels(refusal_reason(error.status)).inc()
         log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
         return responses.error_response(error)
+
+
+def _read_headers(message: ext_proc_pb2.HttpHeaders, into: dict[str, str]) -> dict[str, str]:
+    for h in message.headers.headers:
+        into[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return into
+
+
+def _served_metadata(message: ext_proc_pb2.ProcessingRequest) -> str | None:
+    """The served endpoint as GIE gateways report it (``envoy.lb`` metadata), or None."""
+    if not message.HasField("metadata_context"):
+        return None
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    # GIE names the metadata key like the header.
+    if namespace is None or SERVED not in namespace.fields:
+        return None
+    return namespace.fields[SERVED].string_value or None
 
 
 def _subset_hint(message: ext_proc_pb2.ProcessingRequest) -> list[str] | None:
     """The gateway's allowed endpoints (``envoy.lb.subset_hint``), or None when absent."""
     if not message.HasField("metadata_context"):
         return None
-    namespace = message.metadata_context.filter_metadata.get(responses.SUBSET_NAMESPACE)
-    if namespace is None or responses.SUBSET_KEY not in namespace.fields:
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
+    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
         return None
-    value = namespace.fields[responses.SUBSET_KEY]
+    value = namespace.fields[SUBSET_HINT_KEY]
     if value.HasField("list_value"):
         return [v.string_value for v in value.list_value.values]
     return [a.strip() for a in value.string_value.split(",") if a.strip()]
 
 
 def _present(headers: dict[str, str], names: Iterable[str]) -> list[str]:
-    return [n for n in names if n in headers and n != responses.DESTINATION_HEADER]
+    return [n for n in names if n in headers and n != DESTINATION]

@@ -37,6 +37,15 @@ class Insertion(NamedTuple):
     capacity: int
 
 
+class Learned(NamedTuple):
+    """One insertion as a journal keeps it: ``hashes[new_from:]`` were not cached before."""
+
+    endpoint: str
+    hashes: Sequence[int]
+    capacity: int
+    new_from: int
+
+
 class ApproximatePrefixIndex:
     """Per-endpoint LRUs of block hashes; lives in :class:`~epp.state.fleet.FleetState`."""
 
@@ -44,14 +53,33 @@ class ApproximatePrefixIndex:
         # OrderedDict as an LRU set: oldest first, move_to_end on reuse, popitem(last=False).
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._recent: deque[Insertion] = deque(maxlen=recent_limit)
+        # While set (see epp.state.moves.recording), insertions are also noted here, so that
+        # a pick's insertion can be moved to the endpoint a retry ended on.
+        self.journal: list[Learned] | None = None
 
     def insert(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
         """Record that ``endpoint`` now caches ``hashes`` (a prompt's chain, first block first).
 
         ``capacity`` is the endpoint's cache size in blocks; the LRU shrinks or grows to it.
         """
+        if self.journal is not None:
+            known = self._leading(self._lrus.get(endpoint), hashes)
+            self.journal.append(Learned(endpoint, hashes, capacity, known))
         self._insert(endpoint, hashes, capacity)
         self._recent.append(Insertion(endpoint, hashes, capacity))
+
+    def retract(self, learned: Learned) -> None:
+        """Undo what ``learned`` added: its blocks that were new to the endpoint go again.
+
+        They are the chain's tail (see the module docstring), so the invariant holds. Blocks
+        the endpoint already had stay: its cache did not lose them. Local only: other
+        processes that replayed the insertion keep it until their LRU evicts it.
+        """
+        lru = self._lrus.get(learned.endpoint)
+        if lru is None:
+            return
+        for h in learned.hashes[learned.new_from :]:
+            lru.pop(h, None)
 
     def apply(self, batch: Iterable[Insertion]) -> None:
         """Replay insertions made by other processes (not recorded again as recent)."""

@@ -4,17 +4,39 @@ The approximate index only ever learns from epp's own picks, so it cannot see an
 cache. Two events say so anyway: an endpoint leaves the configuration, or an engine restarts,
 which vLLM's monotonic ``prefix_cache_queries`` counter shows by going down. Without this, epp
 would keep steering a prefix group to a replica whose cache is empty.
+
+The fleet state holds the prefix indexes, so :mod:`epp.state` depends on this package; what this
+module reads of a snapshot is declared as protocols here instead of importing it back.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Protocol
 
 from epp.prefix.approximate import ApproximatePrefixIndex
-from epp.state.snapshot import Snapshot
 
 log = logging.getLogger("epp.prefix")
+
+
+class _Counters(Protocol):
+    @property
+    def prefix_cache_queries(self) -> float: ...
+
+
+class _Endpoint(Protocol):
+    @property
+    def scraped_at(self) -> float: ...
+    @property
+    def metrics(self) -> _Counters: ...
+
+
+class Observed(Protocol):
+    """What :meth:`CacheInvalidator.observe` reads: an :class:`epp.state.snapshot.Snapshot`."""
+
+    @property
+    def endpoints(self) -> Mapping[str, _Endpoint]: ...
 
 
 class CacheInvalidator:
@@ -22,7 +44,7 @@ class CacheInvalidator:
         self._index = index
         self._queries: dict[str, float] = {}
 
-    def observe(self, snapshot: Snapshot, configured: Collection[str]) -> list[str]:
+    def observe(self, snapshot: Observed, configured: Collection[str]) -> list[str]:
         """Compare with the last observation; forget removed or restarted endpoints."""
         forgotten = [a for a in self._queries if a not in configured]
         for address in forgotten:

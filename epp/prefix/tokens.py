@@ -10,9 +10,12 @@ cache. vLLM tokenizes with the model's Hugging Face tokenizer:
   ``apply_chat_template(add_generation_prompt=True)`` does, and the text is tokenized WITHOUT
   special tokens (the template writes the BOS itself).
 
-The messages are rebuilt from :attr:`InferenceRequest.prompt`, where :mod:`epp.request` lays
-them out as ``role \\x1f content \\x1e`` per message; fields other than role and text content
-(tool calls, names) are not kept there, so conversations that use them may match less.
+The template's input comes from :attr:`InferenceRequest.messages` (see
+:meth:`epp.request.ChatMessage.template_content`: text parts joined as vLLM joins them). Fields
+other than role and content (tool calls, names) are not kept, so conversations that use them may
+match less. A conversation with image or other media parts gets no precise ids: a text-only
+model's engine refuses it ("... is not a multimodal model", 400) and a multimodal one expands
+placeholders into ids only its processor knows.
 
 Cost: the Rust tokenizer takes ~45 ms for a 32k-token prompt on this 2-core box, almost all
 in its pre-tokenizer regex, and ``encode`` holds the GIL (measured: the event loop stalls for the
@@ -54,13 +57,9 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
-from epp.request import InferenceRequest
+from epp.request import ChatMessage, InferenceRequest
 
 log = logging.getLogger(__name__)
-
-# Separators epp.request puts between a message's role and content, and after each message.
-ROLE_SEP = "\x1f"
-MESSAGE_SEP = "\x1e"
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # ~4 ms of tokenizer time here; longer uncached stretches go to the worker thread.
@@ -220,13 +219,14 @@ class ModelTokenizer:
         if kept is not None and kept[0] is request:
             return kept[1]
         template = self.chat_template()
+        text: str | None = None
         try:
-            text: str | None = template.render(parse_messages(request.prompt))
+            if all(m.text_only for m in request.messages):
+                text = template.render(request.messages)
         # The template rejected the conversation (raise_exception, a missing field): the
         # engine will answer 400, and there is nothing to match.
         except Exception as exc:
             log.debug("chat template failed for request %s: %s", request.request_id, exc)
-            text = None
         self._rendered[id(request)] = (request, text)
         if len(self._rendered) > RENDERED_KEPT:
             self._rendered.popitem(last=False)
@@ -249,15 +249,6 @@ class ModelTokenizer:
         raise ChatTemplateUnavailable(self._template_error)
 
 
-def parse_messages(prompt: str) -> list[dict[str, str]]:
-    """Rebuild the conversation :mod:`epp.request` laid out in ``prompt``."""
-    messages = []
-    for item in prompt.split(MESSAGE_SEP)[:-1]:
-        role, _, content = item.partition(ROLE_SEP)
-        messages.append({"role": role, "content": content})
-    return messages
-
-
 class ChatTemplate:
     """A chat template rendered with transformers' ``apply_chat_template`` semantics.
 
@@ -274,17 +265,18 @@ class ChatTemplate:
         self.content_as_parts = _iterates_over_content(env.parse(source))
         self._variables = dict(special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        if self.content_as_parts:
-            messages = [
-                {**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages
-            ]
-        return self._template.render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=True,
-            **self._variables,
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        return str(
+            self._template.render(
+                messages=[
+                    {"role": m.role, "content": m.template_content(self.content_as_parts)}
+                    for m in messages
+                ],
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                **self._variables,
+            )
         )
 
 

@@ -1,6 +1,8 @@
-"""Scheduling: a profile of filters, weighted scorers and a picker, chosen per request."""
+"""Scheduling: a profile of producers, filters, weighted scorers and a picker, per request."""
 
 from epp.scheduling import filters, pickers, scorers
+from epp.scheduling.builder import PluginSpec, ProfileSpec, build_profile, profile_problems
+from epp.scheduling.data import DataKey, Input
 from epp.scheduling.framework import (
     Cycle,
     Decision,
@@ -9,27 +11,37 @@ from epp.scheduling.framework import (
     Plugin,
     PostPick,
     Prepare,
+    Producer,
     Profile,
     Scorer,
     create_plugin,
+    plugin_class,
     plugin_types,
     register,
 )
 
 __all__ = [
     "Cycle",
+    "DataKey",
     "Decision",
     "Filter",
+    "Input",
     "Picker",
     "Plugin",
+    "PluginSpec",
     "PostPick",
     "Prepare",
+    "Producer",
     "Profile",
+    "ProfileSpec",
     "Scorer",
+    "build_profile",
     "create_plugin",
     "filters",
     "pickers",
+    "plugin_class",
     "plugin_types",
+    "profile_problems",
     "register",
     "scorers",
 ]

@@ -1,10 +1,19 @@
-"""Plugin interfaces of the scheduler: filters, then weighted scorers, then a picker.
+"""Plugin interfaces of the scheduler: producers, filters, weighted scorers, a picker.
 
 Plugins are small classes registered by name with :func:`register`; a profile (configured in
-one YAML file) names plugins and weights. Every plugin is a pure function of the request, the
-candidate endpoints and the per-request :class:`Cycle`, so it can be unit-tested, benchmarked
-and explained in isolation. Work several plugins need (tokenizing, hashing a prompt) is done
-once and kept in the cycle.
+one YAML file) names plugins and weights, and :mod:`epp.scheduling.builder` turns it into a
+:class:`Profile`. Per request a profile runs in four steps:
+
+1. data: every :class:`Producer` computes what it declares in ``produces`` (prompt hashes,
+   prefix matches per endpoint) once, for every candidate, in dependency order; then the
+   framework computes derived keys (:mod:`epp.scheduling.data`);
+2. filters, readiness first, then by their declared ``stage``;
+3. scorers, summed with their weights in a fixed order;
+4. the picker, then every :class:`PostPick` hook.
+
+Filters, scorers and hooks only read the cycle's data, so a profile's list order cannot change
+a result. What a plugin learns across requests lives in :class:`~epp.state.fleet.FleetState`,
+reached through the cycle: plugin instances are rebuilt on every configuration reload.
 """
 
 from __future__ import annotations
@@ -15,12 +24,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from epp.metrics.plugin_clock import PluginClock
 from epp.request import InferenceRequest
+from epp.scheduling.data import DataKey, Derived, Input
+from epp.scheduling.params import NoParams, Params
 from epp.state.fleet import FleetState
 from epp.state.snapshot import EndpointState, Snapshot
 
-# Keys under which prefix scorers publish cached prompt tokens per endpoint, best source first.
-CACHED_TOKEN_KEYS = ("cached_tokens", "approx_cached_tokens")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -28,8 +39,8 @@ class Cycle:
     """Per-request scheduling context.
 
     ``snapshot`` is the endpoint view used for the whole decision, ``fleet`` the long-lived
-    routing state (in-flight work, prefix indexes, sessions), ``data`` what one plugin computed
-    for others (token ids, block hashes) so per-request work is done once.
+    routing state (in-flight work, prefix indexes, sessions, prefill backlog); the data step
+    fills the typed per-request data read with :meth:`get`.
     """
 
     snapshot: Snapshot
@@ -37,27 +48,53 @@ class Cycle:
     # Relative endpoint capacity (configured; missing means 1.0).
     weights: Mapping[str, float] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
-    data: dict[str, Any] = field(default_factory=dict)
+    _data: dict[DataKey[Any], Any] = field(default_factory=dict)
 
-    def cached_tokens(self) -> Mapping[str, int]:
-        """Prompt tokens each endpoint caches for this request, as the prefix scorers found
-        (precise when available, else approximate; empty when no prefix scorer ran)."""
-        for key in CACHED_TOKEN_KEYS:
-            found = self.data.get(key)
-            if found:
-                return found
-        return {}
+    def get(self, key: DataKey[T]) -> T | None:
+        """The request's ``key`` data, or None when no producer in the profile wrote it."""
+        value: T | None = self._data.get(key)
+        return value
+
+    def put(self, key: DataKey[T], value: T) -> None:
+        self._data[key] = value
 
 
 class Plugin:
-    """Base of every plugin; ``type_name`` is the registry name, ``name`` the configured one."""
+    """Base of every plugin.
+
+    ``type_name`` is the registry name, ``name`` the configured one; ``params_type`` the frozen
+    dataclass of its parameters (:mod:`epp.scheduling.params`), ``produces``/``consumes`` the
+    per-request data it writes and reads (:mod:`epp.scheduling.data`).
+    """
 
     type_name: ClassVar[str] = ""
+    params_type: ClassVar[type[Params]] = NoParams
+    produces: ClassVar[tuple[DataKey[Any], ...]] = ()
+    consumes: ClassVar[tuple[Input, ...]] = ()
     name: str = ""
+
+    def __init__(self, params: Any = None) -> None:
+        """Plugins with parameters override this and take an instance of ``params_type``."""
+
+
+class Producer(Plugin):
+    """Computes per-request data for the other plugins, before any filter runs."""
+
+    @abc.abstractmethod
+    def produce(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+    ) -> None: ...
 
 
 class Filter(Plugin):
-    """Removes candidates that must not serve the request."""
+    """Removes candidates that must not serve the request.
+
+    ``stage`` orders filters (lowest first, then by name): a filter that keeps every candidate
+    when none would qualify gives a different result before or after another filter, so the
+    order is the framework's, not the profile's.
+    """
+
+    stage: ClassVar[int] = 100
 
     @abc.abstractmethod
     def filter(
@@ -99,14 +136,14 @@ class PostPick(Plugin):
     def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None: ...
 
 
-P = TypeVar("P", bound=type[Plugin])
+C = TypeVar("C", bound=type[Plugin])
 _REGISTRY: dict[str, type[Plugin]] = {}
 
 
-def register(type_name: str, *aliases: str) -> Callable[[P], P]:
+def register(type_name: str, *aliases: str) -> Callable[[C], C]:
     """Class decorator: make a plugin constructible by ``type_name`` (and aliases) from config."""
 
-    def decorate(cls: P) -> P:
+    def decorate(cls: C) -> C:
         cls.type_name = type_name
         for key in (type_name, *aliases):
             if key in _REGISTRY:
@@ -121,17 +158,19 @@ def plugin_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_plugin(type_name: str, name: str, parameters: Mapping[str, Any]) -> Plugin:
-    """Instantiate a registered plugin; parameters are its constructor's keyword arguments.
+def plugin_class(type_name: str) -> type[Plugin] | None:
+    return _REGISTRY.get(type_name)
 
-    Raises ``KeyError`` for an unknown type and ``ValueError`` for bad parameters, so config
-    validation can name the offending key.
-    """
+
+def producers_of(key: DataKey[Any]) -> list[str]:
+    """Registered plugin types (not aliases) that produce ``key``."""
+    return sorted({cls.type_name for cls in _REGISTRY.values() if key in cls.produces})
+
+
+def create_plugin(type_name: str, name: str, params: Params | None = None) -> Plugin:
+    """Instantiate a registered plugin with its parameters (defaults when None)."""
     cls = _REGISTRY[type_name]
-    try:
-        plugin = cls(**parameters)
-    except TypeError as exc:
-        raise ValueError(f"bad parameters for '{type_name}': {exc}") from None
+    plugin = cls(params if params is not None else cls.params_type())
     plugin.name = name
     return plugin
 
@@ -147,7 +186,7 @@ class Decision:
 
 @dataclass(slots=True)
 class Profile:
-    """A named pipeline: filters in order, weighted scorers, one picker."""
+    """A named pipeline, in execution order (:mod:`epp.scheduling.builder` orders it)."""
 
     name: str
     filters: list[Filter]
@@ -155,6 +194,31 @@ class Profile:
     picker: Picker
     post_pick: list[PostPick] = field(default_factory=list)
     prepare: list[Prepare] = field(default_factory=list)
+    producers: list[Producer] = field(default_factory=list)
+    derived: list[Derived[Any]] = field(default_factory=list)
+    clock: PluginClock = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.clock = PluginClock(
+            [
+                *(("producer", p) for p in self.producers),
+                *(("filter", f) for f in self.filters),
+                *(("scorer", s) for s, _ in self.scorers),
+                ("picker", self.picker),
+                *(("post_pick", h) for h in self.post_pick),
+            ]
+        )
+
+    def produce(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+    ) -> None:
+        """The data step: every producer once, in dependency order, then derived keys."""
+        for producer in self.producers:
+            producer.produce(request, candidates, cycle)
+            self.clock.lap(producer)
+        for rule in self.derived:
+            cycle.put(rule.key, rule.compute(cycle))
+        self.clock.mark()
 
     def run(
         self,
@@ -164,9 +228,14 @@ class Profile:
         count: int,
         explain: bool = False,
     ) -> Decision:
+        clock = self.clock
+        clock.start()
+        self.produce(request, candidates, cycle)
         for f in self.filters:
             candidates = f.filter(request, candidates, cycle)
+            clock.lap(f)
             if not candidates:
+                clock.stop()
                 return Decision([], {"filtered-out-by": {f.name: 0.0}} if explain else None)
         totals = [0.0] * len(candidates)
         breakdown: dict[str, dict[str, float]] | None = (
@@ -179,11 +248,15 @@ class Profile:
             if breakdown is not None:
                 for c, s in zip(candidates, scores, strict=True):
                     breakdown[c.address][scorer.name] = round(weight * s, 4)
+            clock.lap(scorer)
         if breakdown is not None:
             for c, t in zip(candidates, totals, strict=True):
                 breakdown[c.address]["total"] = round(t, 4)
         chosen = self.picker.pick(candidates, totals, count)
+        clock.lap(self.picker)
         if chosen:
             for hook in self.post_pick:
                 hook.on_pick(request, chosen[0], cycle)
+                clock.lap(hook)
+        clock.stop()
         return Decision(chosen, breakdown)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from epp.request import TEXT_PART_SEPARATOR
+
 TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -26,8 +28,9 @@ class ChatTemplateError(ValueError):
 def message_text(content: Any) -> str:
     """OpenAI content (string or list of parts) as the string the template sees.
 
-    vLLM's "string" content format joins text parts with newlines; non-text parts are
-    rejected because the simulated model is text-only.
+    vLLM's "string" content format joins the non-empty text parts with the separator epp's
+    request model declares (a newline); media parts are rejected because the simulated model is
+    text-only (vLLM: "... is not a multimodal model", 400).
     """
     if content is None:
         return ""
@@ -36,10 +39,13 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ChatTemplateError("only text content parts are supported")
-            texts.append(str(part.get("text", "")))
-        return "\n".join(texts)
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text":
+                texts.append(str(part.get("text") or ""))
+            else:
+                raise ChatTemplateError("the simulated model is not a multimodal model")
+        return TEXT_PART_SEPARATOR.join(t for t in texts if t)
     raise ChatTemplateError("message content must be a string or a list of parts")
 
 

@@ -8,7 +8,9 @@ import logging
 import re
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from epp.sim.engine import EngineConfig
 from epp.sim.profiles import PROFILES
@@ -136,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     )
     configs = build_configs(args)
     tokenizer = SimTokenizer(args.tokenizer)
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, cast
 
-from prometheus_client.utils import floatToGoString
+from prometheus_client import utils
+
+# prometheus_client's exposition spelling of floats ("1e+06", "+Inf"), which it leaves untyped.
+_go_float = cast(Callable[[float], str], utils.floatToGoString)
 
 
 def _escape_label(value: str) -> str:
@@ -29,7 +32,7 @@ def _label_text(labels: dict[str, str]) -> str:
 
 
 class _Child:
-    def __init__(self, family: _Family[_Child], labels: dict[str, str]) -> None:
+    def __init__(self, family: _Family[Any], labels: dict[str, str]) -> None:
         self.family = family
         self.labels = labels
         self.value = 0.0
@@ -52,12 +55,12 @@ class CounterChild(_Child):
 
 
 class HistogramChild(_Child):
-    def __init__(self, family: _Family[_Child], labels: dict[str, str]) -> None:
+    def __init__(self, family: _Family[Any], labels: dict[str, str]) -> None:
         super().__init__(family, labels)
         self.bounds: list[float] = family.bounds  # type: ignore[attr-defined]
         self.counts = [0] * (len(self.bounds) + 1)  # the last slot is +Inf
         # Label text of each bucket line, computed once: most of a histogram's render cost.
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        les = [_go_float(b) for b in self.bounds] + ["+Inf"]
         self.bucket_labels = [_label_text({**labels, "le": le}) for le in les]
 
     def observe(self, value: float) -> None:
@@ -68,7 +71,7 @@ class HistogramChild(_Child):
 
 
 C = TypeVar("C", bound="_Child")
-F = TypeVar("F", bound="_Family[_Child]")
+F = TypeVar("F", bound="_Family[Any]")
 
 
 class _Family(Generic[C]):
@@ -109,9 +112,7 @@ class Gauge(_Family[GaugeChild]):
     child_type = GaugeChild
 
     def _render(self) -> str:
-        lines = (
-            f"{self.name}{{{k}}} {floatToGoString(c.value)}\n" for k, c in self.children.items()
-        )
+        lines = (f"{self.name}{{{k}}} {_go_float(c.value)}\n" for k, c in self.children.items())
         return self._header(self.name, "gauge") + "".join(lines)
 
 
@@ -123,9 +124,9 @@ class Counter(_Family[CounterChild]):
         items = self.children.items()
         return (
             self._header(total, "counter")
-            + "".join(f"{total}{{{k}}} {floatToGoString(c.value)}\n" for k, c in items)
+            + "".join(f"{total}{{{k}}} {_go_float(c.value)}\n" for k, c in items)
             + self._header(created, "gauge")
-            + "".join(f"{created}{{{k}}} {floatToGoString(c.created)}\n" for k, c in items)
+            + "".join(f"{created}{{{k}}} {_go_float(c.created)}\n" for k, c in items)
         )
 
 
@@ -143,13 +144,11 @@ class Histogram(_Family[HistogramChild]):
             running = 0
             for labels, count in zip(c.bucket_labels, c.counts, strict=True):
                 running += count
-                out.append(f"{name}_bucket{{{labels}}} {floatToGoString(running)}\n")
-            out.append(f"{name}_count{{{key}}} {floatToGoString(running)}\n")
-            out.append(f"{name}_sum{{{key}}} {floatToGoString(c.value)}\n")
+                out.append(f"{name}_bucket{{{labels}}} {_go_float(running)}\n")
+            out.append(f"{name}_count{{{key}}} {_go_float(running)}\n")
+            out.append(f"{name}_sum{{{key}}} {_go_float(c.value)}\n")
         out.append(self._header(created, "gauge"))
-        out.extend(
-            f"{created}{{{k}}} {floatToGoString(c.created)}\n" for k, c in self.children.items()
-        )
+        out.extend(f"{created}{{{k}}} {_go_float(c.created)}\n" for k, c in self.children.items())
         return "".join(out)
 
 
@@ -157,7 +156,7 @@ class Registry:
     """The families of one replica's page, in registration order."""
 
     def __init__(self) -> None:
-        self.families: list[_Family[_Child]] = []
+        self.families: list[_Family[Any]] = []
 
     def add(self, family: F) -> F:
         self.families.append(family)

@@ -77,8 +77,8 @@ def hash_block_digests(
     digest = parent or NONE_HASH
     digests = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        digest = sha256(dumps((digest, tokens[start : start + block_size], extra_keys), protocol))
-        digest = digest.digest()
+        block = tokens[start : start + block_size]
+        digest = sha256(dumps((digest, block, extra_keys), protocol)).digest()
         digests.append(digest)
     return digests
 

@@ -57,7 +57,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
 @web.middleware
 async def api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
-        return await handler(request)
+        response: web.StreamResponse = await handler(request)
+        return response
     except APIError as e:
         return _json(e.body(), e.status)
 

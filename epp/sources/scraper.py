@@ -7,7 +7,7 @@ A failed poll keeps the last metrics; only ``failure_threshold`` consecutive fai
 endpoint unready, so one dropped packet does not shift traffic.
 
 When several epp processes share Redis, ``owns`` says which endpoints this process holds the
-scrape lease for (:mod:`epp.sources.lease`); the others are followed through the store instead:
+scrape lease for (:mod:`epp.state.shared.lease`); the others are followed through the store instead:
 their gauges mirror the lease holder's observations, and a process that takes a lease over
 continues from the latest of them (failure count included), so an endpoint that was failing for
 the previous owner does not look fresh and ready to the next.
@@ -20,15 +20,22 @@ the page, so every process polling a replica at 50 ms costs that replica ~14% of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from epp.observability import ENDPOINT_METRICS_AGE, ENDPOINT_READY, SCRAPES
+from epp.observability import (
+    ENDPOINT_METRICS_AGE,
+    ENDPOINT_READY,
+    SCRAPES,
+    forget_endpoint_responses,
+)
 from epp.sources.vllm_metrics import parse_vllm_metrics
 from epp.state.snapshot import EndpointMetrics, EndpointState
 from epp.state.store import StateStore
@@ -50,7 +57,6 @@ class _Endpoint:
 
     address: str
     pool: str
-    url: str
     ready: bool = False
     failures: int = 0
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
@@ -70,18 +76,39 @@ class MetricsScraper:
         failure_threshold: int = 3,
         owns: Callable[[str], bool] | None = None,
     ) -> None:
-        if interval <= 0 or timeout <= 0 or failure_threshold < 1:
-            raise ValueError("interval and timeout must be > 0, failure_threshold >= 1")
         self._store = store
         self._interval = interval
         self._timeout = timeout
         self._threshold = failure_threshold
+        # Set by set_timing: cuts every endpoint's current wait short so a new interval applies
+        # at once, not after one more period of the old one.
+        self._retimed = asyncio.Event()
+        self.set_timing(interval, timeout, failure_threshold)
         self._owns = owns or (lambda _address: True)
         self._wanted: dict[str, str] = {}
+        self._tls: dict[str, tuple[ssl.SSLContext, str | None]] = {}
         self._endpoints: dict[str, _Endpoint] = {}
         self._session: aiohttp.ClientSession | None = None
         # Retain calls in flight; kept so stop() can wait for them and they are not collected.
         self._housekeeping: set[asyncio.Task[None]] = set()
+
+    @property
+    def timing(self) -> tuple[float, float, int]:
+        """``(interval, timeout, failure_threshold)`` in force."""
+        return self._interval, self._timeout, self._threshold
+
+    def set_timing(self, interval: float, timeout: float, failure_threshold: int) -> None:
+        """Scrape every ``interval`` from now on (a configuration reload), each scrape given up
+        after ``timeout``, an endpoint unready after ``failure_threshold`` failures in a row."""
+        if interval <= 0 or timeout <= 0 or failure_threshold < 1:
+            raise ValueError("interval and timeout must be > 0, failure_threshold >= 1")
+        changed = interval != self._interval
+        self._interval = interval
+        self._timeout = timeout
+        self._threshold = failure_threshold
+        if changed:
+            self._retimed.set()
+            self._retimed = asyncio.Event()
 
     def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
         """Scrape exactly ``endpoints`` (address -> pool name) from now on.
@@ -94,13 +121,17 @@ class MetricsScraper:
         if self._session is not None:
             self._reconcile(self._session)
 
+    def set_tls(self, pools: Mapping[str, tuple[ssl.SSLContext, str | None]]) -> None:
+        """Scrape the replicas of these pools over https with (context, server name to verify,
+        default the endpoint's IP); every other pool over http. Applies from the next scrape."""
+        self._tls = dict(pools)
+
     async def start(self) -> None:
         if self._session is not None:
             return
         self._session = aiohttp.ClientSession(
             # No connection cap: each endpoint's task holds at most one connection at a time.
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self._timeout),
             headers=_HEADERS,
             auto_decompress=False,
         )
@@ -125,18 +156,18 @@ class MetricsScraper:
                 endpoint.task.cancel()
             _forget_series(endpoint)
         for address, pool in self._wanted.items():
-            endpoint = self._endpoints.get(address)
-            if endpoint is None:
-                endpoint = _Endpoint(address, pool, f"http://{address}/metrics")
-                self._endpoints[address] = endpoint
-                endpoint.task = asyncio.create_task(
-                    self._run(endpoint, session), name=f"epp-scrape-{address}"
+            known = self._endpoints.get(address)
+            if known is None:
+                added = _Endpoint(address, pool)
+                self._endpoints[address] = added
+                added.task = asyncio.create_task(
+                    self._run(added, session), name=f"epp-scrape-{address}"
                 )
-            elif endpoint.pool != pool:
+            elif known.pool != pool:
                 # Moved to another pool: the next write carries the new pool name.
-                ENDPOINT_READY.remove(endpoint.pool, address)
-                endpoint.pool = pool
-                ENDPOINT_READY.labels(pool, address).set(1 if endpoint.ready else 0)
+                ENDPOINT_READY.remove(known.pool, address)
+                known.pool = pool
+                ENDPOINT_READY.labels(pool, address).set(1 if known.ready else 0)
         task = asyncio.create_task(self._retain([e.task for e in removed if e.task is not None]))
         self._housekeeping.add(task)
         task.add_done_callback(self._housekeeping.discard)
@@ -153,21 +184,47 @@ class MetricsScraper:
         if self._owns(endpoint.address):
             await self._publish(endpoint)  # known, but unready until the first successful scrape
         loop = asyncio.get_running_loop()
-        await asyncio.sleep(random.uniform(0.0, self._interval))
+        # The first scrape at once: a joining endpoint is routable only after it, and a pool
+        # whose members were all replaced (discovery) has no candidate until then. Later ones
+        # at a random phase, so that endpoints added together do not scrape in step.
         next_at = loop.time()
+        period = random.uniform(0.0, self._interval)
         while True:
             self._catch_up(endpoint)
             if self._owns(endpoint.address):
                 await self._scrape(endpoint, session)
-            next_at += self._interval * random.uniform(1.0 - _JITTER, 1.0 + _JITTER)
+            next_at += period
+            period = self._interval * random.uniform(1.0 - _JITTER, 1.0 + _JITTER)
             # After a scrape slower than the interval (a timeout), skip the missed ticks
             # instead of firing them back to back.
             next_at = max(next_at, loop.time())
-            await asyncio.sleep(next_at - loop.time())
+            if await self._pause(next_at - loop.time()):
+                # New timing: start over from now, at a random phase of the new interval.
+                next_at = loop.time() + random.uniform(0.0, self._interval)
+                await self._pause(next_at - loop.time())
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep ``seconds``; True if :meth:`set_timing` changed the interval meanwhile."""
+        retimed = self._retimed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await retimed.wait()
+        return retimed.is_set()
 
     async def _scrape(self, endpoint: _Endpoint, session: aiohttp.ClientSession) -> None:
         try:
-            async with session.get(endpoint.url) as response:
+            timeout = aiohttp.ClientTimeout(total=self._timeout)
+            tls = self._tls.get(endpoint.pool)
+            if tls is None:
+                request = session.get(f"http://{endpoint.address}/metrics", timeout=timeout)
+            else:
+                request = session.get(
+                    f"https://{endpoint.address}/metrics",
+                    timeout=timeout,
+                    ssl=tls[0],
+                    server_hostname=tls[1],
+                )
+            async with request as response:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 body = await response.read()
@@ -218,10 +275,13 @@ class MetricsScraper:
     def _failed(self, endpoint: _Endpoint, result: str, reason: str) -> None:
         SCRAPES.labels(endpoint.address, result).inc()
         endpoint.failures += 1
-        if endpoint.failures != self._threshold:
-            return
         # Logged once per outage: when the threshold is crossed, whether the endpoint was ready
-        # before or has never answered yet.
+        # before or has never answered yet, or when a lowered threshold (a reload) is already
+        # behind a ready endpoint's count.
+        if endpoint.failures < self._threshold or (
+            endpoint.failures > self._threshold and not endpoint.ready
+        ):
+            return
         log.warning(
             "endpoint %s (pool %s) is unready after %d failed scrapes: %s",
             endpoint.address,
@@ -252,3 +312,4 @@ def _forget_series(endpoint: _Endpoint) -> None:
     ENDPOINT_METRICS_AGE.remove(endpoint.address)
     for result in ("ok", "error", "timeout"):
         SCRAPES.remove(endpoint.address, result)
+    forget_endpoint_responses(endpoint.address)

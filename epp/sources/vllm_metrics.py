@@ -96,7 +96,7 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
 
     usage = kv_usage.get(_KV_USAGE, kv_usage.get(_KV_USAGE_OLD, 0.0))
     block_sizes = [b for b, _ in cache_config.values() if b is not None]
-    gpu_blocks = [n for _, n in cache_config.values() if n is not None]
+    gpu_block_counts = [n for _, n in cache_config.values() if n is not None]
     latest = [info for _, info in lora.values()]
 
     return EndpointMetrics(
@@ -104,7 +104,7 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
         running=max(0, round(sums.get(_RUNNING, 0.0))),
         kv_usage=min(1.0, max(0.0, usage)),
         block_size=max(block_sizes) if block_sizes else None,
-        num_gpu_blocks=sum(gpu_blocks) if gpu_blocks else None,
+        num_gpu_blocks=sum(gpu_block_counts) if gpu_block_counts else None,
         running_loras=frozenset().union(*(info.running for info in latest)),
         waiting_loras=frozenset().union(*(info.waiting for info in latest)),
         max_loras=sum(info.max_loras for info in latest),

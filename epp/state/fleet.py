@@ -1,8 +1,9 @@
 """Long-lived routing state that outlives any one configuration: the scheduler's memory.
 
 Plugins are rebuilt on every configuration reload; what they learn (in-flight work, prefix
-indexes, sessions) must not be lost with them, so it lives here, owned by the server and reached
-by plugins through the scheduling :class:`~epp.scheduling.Cycle`.
+indexes, sessions, the TTFT scorer's prefill backlog, endpoint health) must not be lost with
+them, so it lives here, owned by the server and reached by plugins through the scheduling
+:class:`~epp.scheduling.Cycle`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
+from epp.state.backlog import PrefillBacklog
+from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
 from epp.state.memory import MemoryStore
 from epp.state.sessions import SessionTable
@@ -27,3 +30,7 @@ class FleetState:
     # Engine-reported prefix caches (KV events) and the tokenizers that key prompts like them.
     precise: PreciseIndex = field(default_factory=PreciseIndex)
     tokenizers: TokenizerRegistry = field(default_factory=TokenizerRegistry)
+    # Prefill tokens queued per endpoint by epp's own picks (the TTFT scorer's fluid model).
+    prefill: PrefillBacklog = field(default_factory=PrefillBacklog)
+    # Each endpoint's circuit, judged from the responses it served (passive health).
+    health: HealthTracker = field(default_factory=HealthTracker)

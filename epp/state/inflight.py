@@ -45,6 +45,12 @@ class InflightTracker:
         load.tokens += tokens
         return Ticket(endpoint, tokens)
 
+    def move(self, ticket: Ticket, endpoint: str) -> Ticket:
+        """The work of ``ticket`` is on ``endpoint`` after all (a retry served it): the new
+        ticket replaces the old one, which must not be released."""
+        self.release(ticket)
+        return self.add(endpoint, ticket.tokens)
+
     def release(self, ticket: Ticket) -> None:
         load = self._local.get(ticket.endpoint)
         if load is None:

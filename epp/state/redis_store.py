@@ -8,7 +8,7 @@ process knows (one ``GET`` each); a remote state replaces the local one only if 
 more recently (or, for the same scrape, has counted more failed polls since: a failing endpoint's
 ``scraped_at`` stands still), so processes converge on the freshest observation of each endpoint.
 A change of readiness is written at once instead of at the next tick. With scrape leases
-(:mod:`epp.sources.lease`) one process observes each endpoint, so the others only read.
+(:mod:`epp.state.shared.lease`) one process observes each endpoint, so the others only read.
 
 When Redis is unreachable the store keeps serving local state, logs one warning, reports
 ``epp_state_store_up 0`` and retries with capped, jittered exponential backoff; when Redis answers
@@ -93,6 +93,8 @@ class RedisStore(StateStore):
         self._stopping = False
         # Set when an endpoint's readiness changes: written at once, not on the next tick.
         self._urgent = asyncio.Event()
+        # Set after the first tick that read the known endpoints from Redis (see first_sync).
+        self._synced = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -110,6 +112,20 @@ class RedisStore(StateStore):
 
     def snapshot(self) -> Snapshot:
         return self._local.current
+
+    async def first_sync(self) -> None:
+        await self._synced.wait()
+
+    def set_refresh_interval(self, interval: float) -> None:
+        if interval <= 0:
+            raise ValueError("refresh_interval must be > 0")
+        self._interval = interval
+        # Wake the loop: it syncs now and waits the new interval from there.
+        self._urgent.set()
+
+    @property
+    def refresh_interval(self) -> float:
+        return self._interval
 
     async def put_endpoint(self, state: EndpointState) -> None:
         self._known.add(state.address)
@@ -160,6 +176,10 @@ class RedisStore(StateStore):
             for address, state in self._local.current.endpoints.items():
                 self._pending.setdefault(address, state)
         batch, self._pending = self._pending, {}
+        # A state nobody has observed yet (an endpoint just added: never scraped, no failure)
+        # says nothing; written, it would overwrite another process's real observation, and a
+        # restarted epp made the whole group see its endpoints unready for a tick.
+        batch = {a: st for a, st in batch.items() if st.scraped_at > 0.0 or st.failures > 0}
         addresses = list(self._known)
         try:
             if not batch and not addresses:
@@ -182,6 +202,7 @@ class RedisStore(StateStore):
             raise
         if addresses:
             self._merge(addresses, results[len(batch) :])
+            self._synced.set()
 
     def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:
         # Compared against the snapshot as it is now, after the await: puts and retains that
@@ -255,13 +276,12 @@ def _decode(raw: bytes) -> EndpointState:
     # Unknown metric fields are ignored and missing ones take their defaults, so processes of
     # neighbouring versions can share one Redis during a rolling upgrade.
     fields = data["metrics"]
-    metrics = EndpointMetrics(
-        **{
-            name: frozenset(fields[name]) if name in _SET_FIELDS else fields[name]
-            for name in _METRIC_FIELDS
-            if name in fields
-        }
-    )
+    values: dict[str, Any] = {
+        name: frozenset(fields[name]) if name in _SET_FIELDS else fields[name]
+        for name in _METRIC_FIELDS
+        if name in fields
+    }
+    metrics = EndpointMetrics(**values)
     return EndpointState(
         address=str(data["address"]),
         pool=str(data["pool"]),

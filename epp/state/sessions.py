@@ -50,5 +50,14 @@ class SessionTable:
         ):
             bindings.popitem(last=False)
 
+    def move(self, session: str, source: str, target: str, now: float) -> None:
+        """Rebind ``session`` from ``source`` to ``target`` (a retry served it there), keeping
+        its expiry; a binding that meanwhile points elsewhere, or expired, is left alone."""
+        binding = self._bindings.get(session)
+        if binding is None or binding.endpoint != source or binding.expires_at <= now:
+            return
+        # Through bind() so that a shared table ships the new binding to the other processes.
+        self.bind(session, target, now, binding.expires_at - now)
+
     def __len__(self) -> int:
         return len(self._bindings)

@@ -32,6 +32,16 @@ class StateStore(abc.ABC):
     async def put_endpoint(self, state: EndpointState) -> None:
         """Record a fresh observation of one endpoint (local first, shared in the background)."""
 
+    def set_refresh_interval(self, interval: float) -> None:  # noqa: B027 - optional hook
+        """Follow a new scrape interval (a configuration reload). Stores that sync in the
+        background refresh once per interval; the in-process store has nothing to refresh."""
+
+    async def first_sync(self) -> None:  # noqa: B027 - optional hook
+        """Return once the shared state has been read (callers bound the wait). A
+        process that starts serving before then answers from its own empty view: a restarted
+        epp of an active-active group refused requests with 503 while the others' observations
+        were one round trip away. The in-process store has nothing to wait for."""
+
     @abc.abstractmethod
     async def retain(self, addresses: Iterable[str]) -> None:
         """Forget endpoints not in ``addresses`` (after a configuration reload)."""

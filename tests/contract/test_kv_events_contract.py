@@ -108,4 +108,6 @@ async def test_real_engine_blocks_match_our_keys(
 
     endpoint = EndpointState(ENDPOINT, "pool", True, EndpointMetrics(block_size=size))
     cycle = Cycle(Snapshot(), fleet)
-    assert PrecisePrefixCacheScorer().score(request, [endpoint], cycle) == [1.0]
+    scorer = PrecisePrefixCacheScorer()
+    scorer.produce(request, [endpoint], cycle)
+    assert scorer.score(request, [endpoint], cycle) == [1.0]

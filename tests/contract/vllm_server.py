@@ -222,6 +222,9 @@ def build_command(
         "--max-num-seqs", "4",
         "-O0",
         "--kv-events-config", json.dumps(kv_events),
+        # Lets a contract test send another chat template with /tokenize (the one epp loads
+        # from a tokenizer directory) and compare ids for both of vLLM's content formats.
+        "--trust-request-chat-template",
     ]
     if lora_dir is not None:
         cmd += [

@@ -272,34 +272,59 @@ def test_redis_outage_under_load_fails_nothing_and_state_resyncs(
         warm_up(stack)
         prefix = stack.epp_config()["store"]["key_prefix"]
         with Load(stack.url) as load:
-            time.sleep(0.8)
+
+            def served(n: int) -> Callable[[], bool]:
+                return lambda: len(load.outcomes) >= n
+
+            wait_for(served(20), 10.0, "20 requests before the outage")
             own_redis.kill()
             wait_for(
                 lambda: all(epp_metric(stack, i, "epp_state_store_up")[""] == 0 for i in (0, 1)),
                 3.0,
                 "epp_state_store_up 0",
             )
-            time.sleep(1.0)
+            wait_for(served(len(load.outcomes) + 20), 10.0, "20 requests during the outage")
             own_redis.start()  # empty, as after a crash without persistence
+            # The state store and the group's sync loop reconnect on their own backoffs (up to
+            # 1 s each): the store being up says nothing about membership, leases and loads.
             wait_for(
                 lambda: all(epp_metric(stack, i, "epp_state_store_up")[""] == 1 for i in (0, 1)),
                 5.0,
                 "epp_state_store_up 1",
             )
-            time.sleep(0.8)
+            wait_for(
+                lambda: all(epp_metric(stack, i, "epp_shared_members")[""] == 2 for i in (0, 1)),
+                5.0,
+                "both epps back in the group",
+            )
+            wait_for(served(len(load.outcomes) + 20), 10.0, "20 requests after the outage")
         assert load.outcomes
         assert not load.failures(), load.failures()[:5]
 
-        # Every key came back.
+        # Every key came back. Membership is a sample of a live protocol: a process whose event
+        # loop stalls for a lease TTL (3 intervals, 150 ms) on a busy machine drops out of the
+        # member set until its next tick, so the keys are awaited, not read once.
         client = redis.Redis.from_url(own_redis.url)
-        try:
+        missing: list[str] = []
+
+        def resynced() -> bool:
             keys = {k.decode() for k in client.scan_iter(match=f"{{{prefix}}}:*")}
-            for address in stack.replica_addresses:
-                assert f"{{{prefix}}}:ep:{address}" in keys
-                assert f"{{{prefix}}}:lease:{address}" in keys
-            assert client.zcard(f"{{{prefix}}}:members") == 2
-            assert len([k for k in keys if ":load:" in k]) == 2
-            assert f"{{{prefix}}}:picks" in keys
+            wanted = [f"{{{prefix}}}:picks"] + [
+                f"{{{prefix}}}:{kind}:{address}"
+                for address in stack.replica_addresses
+                for kind in ("ep", "lease")
+            ]
+            missing[:] = [k for k in wanted if k not in keys]
+            members = client.zcard(f"{{{prefix}}}:members")
+            loads = len([k for k in keys if ":load:" in k])
+            if members != 2 or loads != 2:
+                missing.append(f"members={members} loads={loads}")
+            return not missing
+
+        try:
+            wait_for(resynced, 3.0, "every key back")
+        except AssertionError:
+            raise AssertionError(f"not back after the outage: {missing}") from None
         finally:
             client.close()
 

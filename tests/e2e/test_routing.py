@@ -97,12 +97,9 @@ BAD_INPUTS = [
     pytest.param(
         b'{"model": "ghost", "prompt": "x"}', 503, "0 of 1 endpoints are ready", id="no-endpoint"
     ),
-    pytest.param(
-        b'{"model": "tiny", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}',
-        413,
-        "exceeds the limit",
-        id="too-large",
-    ),
+    # Oversized bodies: tests/e2e/test_hostile_input.py, with a client that reads while it
+    # sends (epp answers 413 from Content-Length, and http.client, writing all first, can see
+    # the connection reset instead).
 ]
 
 

@@ -13,6 +13,7 @@ from epp.extproc.stream import StreamHandler
 from epp.router import Router
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
+from epp.state.inflight import Load
 from epp.state.memory import MemoryStore
 from tests.unit.test_stream import body_msg, headers_msg
 
@@ -79,3 +80,15 @@ def test_admission_section_is_read_and_validated() -> None:
     assert (config.admission.queue_threshold, config.admission.kv_threshold) == (2, 0.9)
     with pytest.raises(ValueError, match=r"admission\.kv_threshold"):
         parse_config({**base, "admission": {"kv_threshold": 1.5}})
+
+
+def test_concurrency_limits_and_the_reserve_for_priority_at_least_zero() -> None:
+    detector = SaturationDetector(max_requests=8, max_tokens=1000, sheddable_reserve=0.25)
+    assert not detector.endpoint_full(ep(), NOW, Load(requests=7, tokens=10))
+    assert detector.endpoint_full(ep(), NOW, Load(requests=8, tokens=10))
+    assert detector.endpoint_full(ep(), NOW, Load(requests=1, tokens=1000))
+    # Sheddable work sees the endpoint full at 6 of 8: two slots stay for priority >= 0.
+    assert detector.endpoint_full(ep(), NOW, Load(requests=6, tokens=10), sheddable=True)
+    assert not detector.endpoint_full(ep(), NOW, Load(requests=5, tokens=10), sheddable=True)
+    # 0 turns a limit off.
+    assert not SaturationDetector().endpoint_full(ep(), NOW, Load(requests=10_000, tokens=10**9))

@@ -33,10 +33,7 @@ from epp._proto import core_pb2, ext_proc_pb2, ext_proc_pb2_grpc
 from epp.config import Config, load_config, parse_config
 from epp.devstack import free_port
 from epp.envoy_config import (
-    CONTROL_HEADERS,
-    DESTINATION,
     EXTPROC_SERVICE,
-    LB_NAMESPACE,
     MODES,
     Mode,
     add_subcommand,
@@ -44,6 +41,7 @@ from epp.envoy_config import (
     render,
     run,
 )
+from epp.wire import CONTROL_HEADERS, DESTINATION, LB_NAMESPACE
 from tests.helpers.envoy import EnvoyProcess, envoy_binary, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,22 +86,28 @@ def test_filter_order_strips_control_headers_before_ext_proc() -> None:
     ]
     removed = _filters(bootstrap(_config(["127.0.0.1:8001"])))[0]["typed_config"]["mutations"]
     assert [m["remove"] for m in removed["request_mutations"]] == list(CONTROL_HEADERS)
+    assert removed["response_mutations"] == [{"remove": "x-gateway-destination-endpoint-served"}]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ext_proc_settings(mode: Mode) -> None:
     boot = bootstrap(_config(["127.0.0.1:8001"]), mode=mode, message_timeout_ms=1500)
     ext = _filters(boot)[1]["typed_config"]
-    assert ext["failure_mode_allow"] is False
+    # Buffered fails open so a dying epp does not cut streaming responses (the pool still
+    # refuses unplaced requests); full duplex cannot continue without epp.
+    assert ext["failure_mode_allow"] is (mode == "buffered")
     assert ext["message_timeout"] == "1.5s"
     assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == [LB_NAMESPACE]
     pm = ext["processing_mode"]
-    assert (pm["request_header_mode"], pm["response_header_mode"]) == ("SEND", "SKIP")
-    assert pm["response_body_mode"] == "NONE"
+    assert (pm["request_header_mode"], pm["response_header_mode"]) == ("SEND", "SEND")
+    assert pm["response_trailer_mode"] == "SEND"
     if mode == "buffered":
         assert pm["request_body_mode"] == "BUFFERED"
+        # Streamed, never buffered: server-sent events must not be held back.
+        assert pm["response_body_mode"] == "STREAMED"
     else:
         assert pm["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+        assert pm["response_body_mode"] == "FULL_DUPLEX_STREAMED"
         assert pm["request_trailer_mode"] == "SEND"
         assert ext["allow_content_length_header"] is True
 
@@ -113,7 +117,9 @@ def test_route_has_no_timeout_and_retries_fallbacks() -> None:
     assert route["route"]["timeout"] == "0s"
     assert route["route"]["idle_timeout"] == "0s"
     assert route["route"]["retry_policy"]["num_retries"] == 3
-    assert "connect-failure" in route["route"]["retry_policy"]["retry_on"]
+    assert set(route["route"]["retry_policy"]["retry_on"].split(",")) >= {"5xx", "connect-failure"}
+    added = {h["header"]["key"]: h["header"]["value"] for h in route["response_headers_to_add"]}
+    assert added["x-gateway-destination-endpoint-served"] == "%UPSTREAM_HOST%"
     assert route["request_body_buffer_limit"] == 5_000_000
 
 
@@ -246,6 +252,7 @@ class StreamRecord:
     kinds: list[str] = field(default_factory=list)
     protocol_config: str | None = None
     body: bytearray = field(default_factory=bytearray)
+    response_headers: dict[str, str] = field(default_factory=dict)
     started: float = 0.0
     ended: float = 0.0
     end_reason: str = ""
@@ -347,6 +354,34 @@ class FakeEpp(ext_proc_pb2_grpc.ExternalProcessorServicer):
                         yield self._answer(rec)
                         for resp in self._streamed_body(bytes(rec.body)):
                             yield resp
+                elif kind == "response_headers":
+                    rec.response_headers = {
+                        h.key: h.raw_value.decode() for h in req.response_headers.headers.headers
+                    }
+                    yield ext_proc_pb2.ProcessingResponse(
+                        response_headers=ext_proc_pb2.HeadersResponse()
+                    )
+                elif kind == "response_body":
+                    if self.mode == "buffered":  # STREAMED: acknowledge each chunk
+                        yield ext_proc_pb2.ProcessingResponse(
+                            response_body=ext_proc_pb2.BodyResponse()
+                        )
+                    else:  # FULL_DUPLEX_STREAMED: echo each chunk
+                        chunk = ext_proc_pb2.StreamedBodyResponse(
+                            body=req.response_body.body,
+                            end_of_stream=req.response_body.end_of_stream,
+                        )
+                        yield ext_proc_pb2.ProcessingResponse(
+                            response_body=ext_proc_pb2.BodyResponse(
+                                response=ext_proc_pb2.CommonResponse(
+                                    body_mutation=ext_proc_pb2.BodyMutation(streamed_response=chunk)
+                                )
+                            )
+                        )
+                elif kind == "response_trailers":
+                    yield ext_proc_pb2.ProcessingResponse(
+                        response_trailers=ext_proc_pb2.TrailersResponse()
+                    )
                 elif kind == "request_trailers":
                     if not answered:
                         answered = True
@@ -598,7 +633,13 @@ async def test_ext_proc_stream_lifetime(rig: Rig, path: str) -> None:
     # The stream lives as long as the request (response_trailer_mode SEND), in both modes: epp
     # may count a request in flight until its stream ends.
     assert rec.ended - t0 > 0.9
-    assert rec.end_reason == "half-closed by envoy"
+    # With the response processed, Envoy ends the stream right after the last response answer;
+    # grpc.aio reports that as a half-close, a cancellation or the generator's closing,
+    # depending on how it races with our last answer (all three measured, both modes). Either
+    # way the stream outlives the response and no error reaches the client.
+    assert rec.end_reason in ("half-closed by envoy", "CancelledError", "GeneratorExit")
+    # The route tells the response processor which upstream host answered.
+    assert rec.response_headers["x-gateway-destination-endpoint-served"] == b1.addr
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,11 +7,20 @@ from collections import Counter
 import pytest
 
 from epp.config import parse_config
+from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
 from epp.router import Router
 from epp.scheduling import Cycle
-from epp.scheduling.scorers.load import InflightLoadScorer
-from epp.scheduling.scorers.ttft import TtftScorer
+from epp.scheduling.prefix_data import (
+    APPROX_PREFIX,
+    CACHED_TOKENS,
+    PRECISE_PREFIX,
+    PreciseMatch,
+    PrefixMatch,
+    best_cached_tokens,
+)
+from epp.scheduling.scorers.load import InflightLoadParams, InflightLoadScorer
+from epp.scheduling.scorers.ttft import TtftParams, TtftScorer
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
@@ -70,7 +79,7 @@ def test_ratio_scores_near_equal_loads_alike_and_min_max_spreads_them() -> None:
     ratio = InflightLoadScorer().score(req(), eps, cycle)
     assert min(ratio) > 0.9
     assert max(ratio) == 1.0
-    minmax = InflightLoadScorer(normalise="min-max").score(req(), eps, cycle)
+    minmax = InflightLoadScorer(InflightLoadParams(normalise="min-max")).score(req(), eps, cycle)
     assert (min(minmax), max(minmax)) == (0.0, 1.0)
     idle_vs_busy = InflightLoadScorer().score(req(), [ep("idle"), eps[0]], cycle)
     assert idle_vs_busy[1] < 0.03
@@ -84,7 +93,7 @@ def test_scraped_requests_count_at_the_size_of_epps_own() -> None:
         fleet.inflight.add("a", 10)
     fleet.inflight.add("b", 100)
     cycle = Cycle(Snapshot(), fleet)
-    scorer = InflightLoadScorer(normalise="min-max")
+    scorer = InflightLoadScorer(InflightLoadParams(normalise="min-max"))
     assert scorer.score(req(), [ep("a", running=6), ep("b")], cycle) == [1.0, 0.0]
 
 
@@ -93,28 +102,29 @@ def test_capacity_weight_divides_load() -> None:
     fleet.inflight.add("fast", 1000)
     fleet.inflight.add("slow", 600)
     cycle = Cycle(Snapshot(), fleet, weights={"fast": 2.0})
-    scorer = InflightLoadScorer(normalise="min-max")
+    scorer = InflightLoadScorer(InflightLoadParams(normalise="min-max"))
     assert scorer.score(req(), [ep("fast"), ep("slow")], cycle) == [1.0, 0.0]
 
 
 def test_ttft_trades_cache_hits_against_queued_prefill() -> None:
     # 1000-token prompt; "warm" has 900 tokens cached but was just sent a 300-token prefill.
-    scorer = TtftScorer(prefill_tokens_per_second=1000)
+    scorer = TtftScorer(TtftParams(prefill_tokens_per_second=1000))
+    fleet = FleetState()  # the backlog lives in the fleet state, not on the scorer
     prefill_300 = req(300 * 4 - 4)
-    scorer.on_pick(prefill_300, ep("warm"), Cycle(Snapshot(), now=100.0))
-    cycle = Cycle(Snapshot(), now=100.0)
-    cycle.data["approx_cached_tokens"] = {"warm": 900}
+    scorer.on_pick(prefill_300, ep("warm"), Cycle(Snapshot(), fleet, now=100.0))
+    cycle = Cycle(Snapshot(), fleet, now=100.0)
+    cycle.put(CACHED_TOKENS, {"warm": 900})
     warm, cold = scorer.score(req(4000), [ep("warm"), ep("cold")], cycle)
     assert warm == 1.0  # 300 + 101 tokens of work beats 1001
     assert cold == pytest.approx((401 + 64) / (1001 + 64))
     # A heavy queue of prefill on the warm replica flips the choice...
-    scorer.on_pick(req(5000 * 4 - 4), ep("warm"), Cycle(Snapshot(), now=100.0))
+    scorer.on_pick(req(5000 * 4 - 4), ep("warm"), Cycle(Snapshot(), fleet, now=100.0))
     warm, cold = scorer.score(req(4000), [ep("warm"), ep("cold")], cycle)
     assert cold == 1.0
     assert warm < 0.5
     # ...until the replica has had time to compute it (5,300 tokens at 1,000/s).
-    later = Cycle(Snapshot(), now=105.3)
-    later.data["approx_cached_tokens"] = {"warm": 900}
+    later = Cycle(Snapshot(), fleet, now=105.3)
+    later.put(CACHED_TOKENS, {"warm": 900})
     assert scorer.score(req(4000), [ep("warm"), ep("cold")], later)[0] == 1.0
 
 
@@ -124,7 +134,7 @@ def test_ttft_ignores_decoding_work_but_not_the_waiting_queue() -> None:
     for _ in range(20):
         fleet.inflight.add("busy", 300)
     cycle = Cycle(Snapshot(), fleet)
-    cycle.data["approx_cached_tokens"] = {"busy": 900}
+    cycle.put(CACHED_TOKENS, {"busy": 900})
     scores = TtftScorer().score(req(4000), [ep("busy", running=20), ep("idle")], cycle)
     assert scores[0] == 1.0
     scores = TtftScorer().score(req(4000), [ep("busy", waiting=4), ep("idle")], cycle)
@@ -132,18 +142,24 @@ def test_ttft_ignores_decoding_work_but_not_the_waiting_queue() -> None:
 
 
 def test_capacity_drains_the_prefill_queue_faster() -> None:
-    scorer = TtftScorer(prefill_tokens_per_second=1000)
+    scorer = TtftScorer(TtftParams(prefill_tokens_per_second=1000))
+    fleet = FleetState()
     for address in ("fast", "slow"):
-        scorer.on_pick(req(4000 * 4 - 4), ep(address), Cycle(Snapshot(), now=0.0))
-    cycle = Cycle(Snapshot(), weights={"fast": 2.0}, now=1.0)
+        scorer.on_pick(req(4000 * 4 - 4), ep(address), Cycle(Snapshot(), fleet, now=0.0))
+    cycle = Cycle(Snapshot(), fleet, weights={"fast": 2.0}, now=1.0)
     assert scorer.backlog("fast", cycle) == pytest.approx(2000)
     assert scorer.backlog("slow", cycle) == pytest.approx(3000)
 
 
 def test_precise_cached_tokens_win_over_approximate() -> None:
     cycle = Cycle(Snapshot(), FleetState())
-    cycle.data["approx_cached_tokens"] = {"a": 1000}
-    cycle.data["cached_tokens"] = {"b": 1000}
+    cycle.put(APPROX_PREFIX, PrefixMatch(BlockHasher(), [1], 16, cached_tokens={"a": 1000}))
+    unknown = PreciseMatch(None, None, 8)  # the prompt's engine ids are not known
+    cycle.put(PRECISE_PREFIX, unknown)
+    assert best_cached_tokens(cycle) == {"a": 1000}
+    cycle.put(PRECISE_PREFIX, PreciseMatch((1,) * 64, None, 8, cached_tokens={"b": 1000}))
+    assert best_cached_tokens(cycle) == {"b": 1000}
+    cycle.put(CACHED_TOKENS, best_cached_tokens(cycle))
     a, b = TtftScorer().score(req(4000), [ep("a"), ep("b")], cycle)
     assert b == 1.0
     assert a < 0.2
@@ -151,13 +167,13 @@ def test_precise_cached_tokens_win_over_approximate() -> None:
 
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="tokens_per_request"):
-        TtftScorer(tokens_per_request=0)
+        TtftScorer(TtftParams(tokens_per_request=0))
     with pytest.raises(ValueError, match="tokens_per_request"):
-        InflightLoadScorer(tokens_per_request=-1)
+        InflightLoadScorer(InflightLoadParams(tokens_per_request=-1))
     with pytest.raises(ValueError, match="normalise"):
-        InflightLoadScorer(normalise="z-score")
+        InflightLoadScorer(InflightLoadParams(normalise="z-score"))
     with pytest.raises(ValueError, match="prefill_tokens_per_second"):
-        TtftScorer(prefill_tokens_per_second=0)
+        TtftScorer(TtftParams(prefill_tokens_per_second=0))
 
 
 BIG, S1, S2 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

@@ -101,6 +101,38 @@ async def test_two_processes_converge_on_the_newer_state(stores) -> None:
     assert a.snapshot().get(ADDRESS) == b.snapshot().get(ADDRESS)
 
 
+async def test_a_restarted_process_reads_the_group_first_and_never_writes_unobserved_state(
+    stores, prefix: str
+) -> None:
+    """A restarted epp publishes its endpoints as "known, never scraped" before its first
+    scrape; that state must not overwrite what the group observed, and ``first_sync`` must
+    return only once the group's states are in the local snapshot."""
+    a = stores()
+    await a.start()
+    await a.put_endpoint(_state(time.time(), running=5))
+    async with asyncio.timeout(2.0):
+        await a.first_sync()  # a's state written and read back
+    assert await _get_running(prefix) == 5
+
+    restarted = stores()
+    await restarted.start()
+    # What the scraper publishes for a fresh endpoint: unready, no observation.
+    await restarted.put_endpoint(EndpointState(address=ADDRESS, pool="pool"))
+    async with asyncio.timeout(2.0):
+        await restarted.first_sync()
+    state = restarted.snapshot().get(ADDRESS)
+    assert state is not None
+    assert (state.ready, state.metrics.running) == (True, 5)
+    await asyncio.sleep(5 * TICK)
+    assert await _get_running(prefix) == 5  # never overwritten by the unobserved state
+    assert _running(a) == 5
+
+
+async def _get_running(prefix: str) -> int | None:
+    raw = await _get(SHARED_URL, f"{prefix}:ep:{ADDRESS}")
+    return None if raw is None else int(json.loads(raw)["metrics"]["running"])
+
+
 async def test_states_are_written_as_compact_json_with_ttl(prefix: str) -> None:
     store = RedisStore(SHARED_URL, key_prefix=prefix, refresh_interval=TICK, ttl=2.0)
     await store.start()

@@ -7,7 +7,16 @@ import json
 import pytest
 
 from epp.errors import RequestError
-from epp.request import RequestPolicy, api_for_path, parse_request
+from epp.request import (
+    TEXT_PART_SEPARATOR,
+    ChatMessage,
+    ContentPart,
+    RequestPolicy,
+    api_for_path,
+    check_headers,
+    hashing_text,
+    parse_request,
+)
 
 POLICY = RequestPolicy(objectives={"critical": 5, "batch": -1})
 
@@ -126,7 +135,17 @@ def test_request_id_generated_when_absent() -> None:
         ("/v1/chat/completions", {"model": "m", "messages": ["hi"]}, "messages"),
         ("/v1/chat/completions", {"model": "m", "messages": [{"content": 5}]}, "messages"),
         ("/v1/responses", {"model": "m", "input": 5}, "input"),
-        ("/v1/unknown", {"model": "m"}, None),
+        # Found by CI's long fuzz run: an unhashable part type crashed the parser.
+        (
+            "/v1/responses",
+            {"model": "m", "input": [{"role": "", "content": [{"type": []}]}]},
+            "input",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]},
+            "messages",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(path: str, body: object, param: str | None) -> None:
@@ -138,8 +157,148 @@ def test_bad_input_is_a_400_naming_the_field(path: str, body: object, param: str
     assert payload["error"]["message"]
 
 
+def test_a_path_that_is_no_inference_api_is_404() -> None:
+    error = refused("/v1/unknown", {"model": "m"})
+    assert error.status == 404
+    assert error.code == "unknown_url"
+    assert "POST /v1/unknown" in error.message
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"model": "m", "prompt": "x", "t": NaN}', "'NaN' is not a JSON number"),
+        (b'{"model": "m", "prompt": "x", "t": -Infinity}', "'-Infinity' is not a JSON number"),
+        (b'{"model": "m", "prompt": "x", "t": 1e999}', "out of range"),
+        (b'{"model": "m", "prompt": "x", "n": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+        (b'{"model": "m", "prompt": "x", "model": "n"}', "duplicate key 'model'"),
+        (b'{"model": "m", "prompt": [{"a": 1, "a": 2}]}', "duplicate key 'a'"),
+        (b'{"model": "m", "prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", "too deeply"),
+        (b'{"x": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}", "too deeply"),
+        (b'{"model": "m", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "\xff"}', "not valid JSON"),
+        (b"[1]", "got an array"),
+        (b'"m"', "got a string"),
+        (b"null", "got null"),
+        (b"7", "got a number"),
+    ],
+)
+def test_bodies_json_leaves_undefined_are_400(body: bytes, needle: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request("/v1/completions", {}, body, POLICY)
+    assert info.value.status == 400
+    assert needle in info.value.message
+
+
+def test_a_surrogate_pair_is_one_character() -> None:
+    request = parse_request(
+        "/v1/completions", {}, b'{"model": "m", "prompt": "\\ud83d\\ude00"}', POLICY
+    )
+    assert request.prompt == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({":path": "/v1/completions", "content-type": "application/json"}, None),
+        (
+            {":path": "/v1/chat/completions", "content-type": "application/json; charset=utf-8"},
+            None,
+        ),
+        ({":path": "/v1/completions", "content-type": "application/vnd.api+json"}, None),
+        ({":path": "/v1/completions"}, None),
+        ({":path": "/v1/completions", "content-length": "1000"}, None),
+        ({":path": "/v1/completions", "content-length": "1001"}, 413),
+        ({":path": "/v1/completions", "content-type": "text/plain"}, 415),
+        ({":path": "/v1/completions", "content-type": "application/x-www-form-urlencoded"}, 415),
+        ({":path": "/v2/secrets"}, 404),
+    ],
+)
+def test_headers_alone_can_refuse(headers: dict[str, str], status: int | None) -> None:
+    error = check_headers(headers, max_body_bytes=1000)
+    assert (None if error is None else error.status) == status
+
+
 def test_bad_priority_header() -> None:
     assert (
         refused("/v1/completions", {"model": "m", "prompt": "x"}, **{"x-priority": "hi"}).status
         == 400
     )
+
+
+def test_chat_messages_stay_structured() -> None:
+    content = [
+        {"type": "text", "text": "look"},
+        {"type": "text"},
+        {"type": "image_url", "image_url": {"url": "https://x/a.png"}},
+        {"type": "input_audio", "input_audio": {"data": "AAA", "format": "wav"}},
+        "plain",
+    ]
+    req = parse(
+        "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": content}]}
+    )
+    (message,) = req.messages
+    assert message == ChatMessage(
+        "user",
+        (
+            ContentPart("text", "look"),
+            ContentPart("image", "https://x/a.png"),
+            ContentPart("other", '{"data": "AAA", "format": "wav"}'),
+            ContentPart("text", "plain"),
+        ),
+    )
+    assert not message.text_only
+    assert message.text() == "look\nplain"
+    assert req.prompt == hashing_text(req.messages)
+
+
+def test_text_parts_join_with_one_separator_in_hashing_and_template_input() -> None:
+    message = ChatMessage(
+        "user", (ContentPart("text", "a"), ContentPart("text", ""), ContentPart("text", "b"))
+    )
+    assert message.text() == f"a{TEXT_PART_SEPARATOR}b"
+    assert message.template_content(as_parts=False) == message.text()
+    # Templates that iterate over parts see every text part, the empty one included (as vLLM).
+    assert message.template_content(as_parts=True) == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": ""},
+        {"type": "text", "text": "b"},
+    ]
+    assert message.text() in hashing_text([message])
+
+
+def test_non_string_text_part_is_a_400() -> None:
+    with pytest.raises(RequestError) as info:
+        parse(
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            },
+        )
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "nope"},
+        {"model": "nope", "prompt": {"not": "a prompt"}},
+        {"model": "nope", "prompt": "x", "max_tokens": "many"},
+    ],
+)
+def test_an_unknown_model_is_404_before_the_rest_of_the_body_is_checked(
+    body: dict[str, object],
+) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request("/v1/completions", {}, json.dumps(body).encode(), POLICY, ["tiny"])
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+    assert "tiny" in info.value.message
+    # A known model with the same body is refused for the body itself.
+    known_body = json.dumps({**body, "model": "tiny"}).encode()
+    with pytest.raises(RequestError) as known:
+        parse_request("/v1/completions", {}, known_body, POLICY, ["tiny"])
+    assert known.value.status == 400

@@ -9,7 +9,7 @@ import pytest
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Profile
 from epp.scheduling.filters.ready import ReadyEndpointFilter
-from epp.scheduling.pickers.max_score import MaxScorePicker
+from epp.scheduling.pickers.max_score import MaxScoreParams, MaxScorePicker
 from epp.scheduling.scorers.kv_utilization import KvCacheUtilizationScorer
 from epp.scheduling.scorers.queue import QueueScorer
 from epp.state import EndpointMetrics, EndpointState, Snapshot
@@ -41,7 +41,7 @@ def test_kv_scorer() -> None:
 
 
 def test_max_score_picker_orders_fallbacks_and_breaks_ties_randomly() -> None:
-    picker = MaxScorePicker(seed=7)
+    picker = MaxScorePicker(MaxScoreParams(seed=7))
     eps = [ep("a"), ep("b"), ep("c")]
     assert [e.address for e in picker.pick(eps, [0.1, 0.9, 0.5], 2)] == ["b", "c"]
     firsts = Counter(picker.pick(eps, [1.0, 1.0, 0.0], 1)[0].address for _ in range(400))
@@ -54,7 +54,7 @@ def profile() -> Profile:
         "t",
         [ReadyEndpointFilter()],
         [(QueueScorer(), 2.0), (KvCacheUtilizationScorer(), 2.0)],
-        MaxScorePicker(seed=1),
+        MaxScorePicker(MaxScoreParams(seed=1)),
     )
 
 

@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from epp.devstack import free_port
+from epp.observability import RESPONSES
 from epp.sources.scraper import MetricsScraper
 from epp.state.memory import MemoryStore
 from epp.state.snapshot import EndpointState
@@ -147,6 +148,26 @@ async def test_endpoint_is_unready_until_first_scrape_then_ready(servers) -> Non
         await scraper.stop()
 
 
+async def test_a_joining_endpoint_is_scraped_at_once_not_a_random_phase_later(servers) -> None:
+    """Discovery may replace every member of a pool at once: until a new member's first scrape
+    the pool has no candidate, so that scrape must not wait for a phase of the interval."""
+    first, joining = await _server(servers), await _server(servers)
+    store = MemoryStore()
+    scraper = MetricsScraper(store, interval=30.0)
+    scraper.set_endpoints({first.address: "pool-a"})
+    await scraper.start()
+    try:
+        await eventually(lambda: _ready(store, first.address), within=2.0, what="first ready")
+        scraper.set_endpoints({joining.address: "pool-a"})  # every member replaced
+        took = await eventually(
+            lambda: _ready(store, joining.address), within=2.0, what="the joiner ready"
+        )
+        assert took < 2.0  # a random phase of a 30 s interval would be ~15 s
+        assert joining.hits == 1
+    finally:
+        await scraper.stop()
+
+
 async def test_stopped_replica_goes_unready_quickly_and_comes_back(servers, caplog) -> None:
     caplog.set_level(logging.INFO, logger="epp.sources.scraper")
     server = await _server(servers)
@@ -272,9 +293,13 @@ async def test_set_endpoints_adds_removes_and_moves_endpoints(servers) -> None:
 
         scraper.set_endpoints({a.address: "p1", b.address: "p1"})
         await eventually(lambda: _ready(store, b.address), what="b ready")
+        RESPONSES.labels(a.address, "2xx").inc()  # a served a response
 
         scraper.set_endpoints({b.address: "p2"})
         await eventually(lambda: _state(store, a.address) is None, what="a forgotten")
+        # Its series go with it: label sets stay bounded by the endpoints that exist.
+        labels = {"endpoint": a.address, "code": "2xx"}
+        assert REGISTRY.get_sample_value("epp_endpoint_responses_total", labels) is None
         await eventually(
             lambda: getattr(_state(store, b.address), "pool", None) == "p2", what="b moved"
         )

@@ -169,7 +169,27 @@ async def test_get_models_is_answered_by_epp() -> None:
     assert code == 200
     assert [m["id"] for m in payload["data"]] == ["other", "tiny"]  # type: ignore[index]
     (answer,) = StreamHandler(await make_router()).handle(headers_msg("/health", "GET", eos=True))
-    assert immediate(answer)[0] == 400
+    assert immediate(answer)[0] == 404
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "status"),
+    [
+        ({"content-length": "5000"}, "/v1/completions", 413),
+        ({"content-type": "text/plain"}, "/v1/completions", 415),
+        ({}, "/admin", 404),
+    ],
+)
+@pytest.mark.parametrize("mode", [BUFFERED, FULL_DUPLEX])
+async def test_headers_alone_refuse_before_the_body(
+    extra: dict[str, str], path: str, status: int, mode: int
+) -> None:
+    handler = StreamHandler(await make_router())
+    (answer,) = handler.handle(headers_msg(path, extra=extra, mode=mode))
+    assert immediate(answer)[0] == status
+    # The body that follows anyway is not buffered or answered.
+    assert handler.handle(body_msg(b"x" * 500, eos=False)) == ()
+    assert handler._body == []
 
 
 async def test_pick_counts_in_flight_until_finished() -> None:

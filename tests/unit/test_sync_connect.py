@@ -41,7 +41,7 @@ async def test_sentinel_url_carries_service_db_credentials_and_tls() -> None:
     )
     client = connect(url, socket_timeout=0.5)
     try:
-        sentinel = client.sentinel  # type: ignore[attr-defined]
+        sentinel = client.sentinels  # type: ignore[attr-defined]
         pools = [s.connection_pool.connection_kwargs for s in sentinel.sentinels]
         hosts = [(kwargs["host"], kwargs["port"]) for kwargs in pools]
         assert hosts == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]

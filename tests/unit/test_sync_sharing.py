@@ -27,9 +27,9 @@ Group = Callable[..., Awaitable[Member]]
 async def group(prefix: str) -> AsyncIterator[Group]:
     members: list[SharedState] = []
 
-    async def start(url: str = SHARED_URL, poll: bool = False) -> Member:
+    async def start(url: str = SHARED_URL, poll: bool = False, interval: float = TICK) -> Member:
         fleet = FleetState(sessions=SharedSessionTable())
-        member = SharedState(url, fleet, key_prefix=prefix, interval=TICK, poll_picks=poll)
+        member = SharedState(url, fleet, key_prefix=prefix, interval=interval, poll_picks=poll)
         member.set_endpoints([E1, E2, E3])
         await member.start()
         members.append(member)
@@ -67,12 +67,15 @@ async def test_a_dead_process_counts_expire_with_its_ttl(group: Group) -> None:
 async def test_prefix_insertions_reach_the_other_processes_within_an_interval(
     group: Group,
 ) -> None:
-    (fa, _), (fb, _), (fc, _) = await group(), await group(), await group()
+    # A long interval separates pushing (a few ms) from waiting for a tick (up to `slow`) by a
+    # margin a loaded machine cannot blur; at TICK (20 ms) scheduling delays alone could.
+    slow = 2.0
+    (fa, _), (fb, _), (fc, _) = [await group(interval=slow) for _ in range(3)]
     await asyncio.sleep(2 * TICK)  # readers waiting
     fa.prefix.insert(E1, [11, 12, 13], 1000)
     took = await eventually(lambda: fb.prefix.match([11, 12, 13], [E1]) == {E1: 3})
     await eventually(lambda: fc.prefix.match([11, 12, 13], [E1]) == {E1: 3})
-    assert took < TICK * 2  # a few ms in practice (push mode)
+    assert took < slow / 4  # a few ms in practice (push mode)
     assert fb.prefix.take_recent() == [], "applied insertions must not be shipped again"
 
 

@@ -1,7 +1,7 @@
 """Keep endpoints that can serve the request's LoRA adapter without waiting for a slot.
 
 An endpoint qualifies if the adapter is running there or it has a free adapter slot (see
-:func:`~epp.scheduling.scorers.lora.adapter_fit` for how vLLM's metrics are read). If none
+:func:`~epp.scheduling.adapters.adapter_fit` for how vLLM's metrics are read). If none
 qualifies every candidate is kept: the engine queues the request until a slot frees, which
 beats refusing it. Requests without an adapter pass untouched.
 
@@ -13,8 +13,8 @@ picks between "affinity" and "available" groups at random; epp leaves that trade
 from __future__ import annotations
 
 from epp.request import InferenceRequest
+from epp.scheduling.adapters import AdapterFit, adapter_fit
 from epp.scheduling.framework import Cycle, Filter, register
-from epp.scheduling.scorers.lora import AdapterFit, adapter_fit
 from epp.state.snapshot import EndpointState
 
 _SERVES_NOW = (AdapterFit.RUNNING, AdapterFit.ROOM)
@@ -22,6 +22,8 @@ _SERVES_NOW = (AdapterFit.RUNNING, AdapterFit.ROOM)
 
 @register("lora-filter")
 class LoraFilter(Filter):
+    stage = 10
+
     def filter(
         self, request: InferenceRequest, candidates: list[EndpointState], cycle: Cycle
     ) -> list[EndpointState]:

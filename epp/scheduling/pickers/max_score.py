@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from epp.scheduling.framework import Picker, register
+from epp.scheduling.params import Params, param
 from epp.state.snapshot import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class MaxScoreParams(Params):
+    """``seed``: fixes the tie-break order (tests, reproducible benchmarks)."""
+
+    seed: int | None = param(None)
 
 
 @register("max-score-picker")
 class MaxScorePicker(Picker):
-    def __init__(self, seed: int | None = None) -> None:
-        self._random = random.Random(seed)
+    params_type = MaxScoreParams
+
+    def __init__(self, params: MaxScoreParams = MaxScoreParams()) -> None:
+        self._random = random.Random(params.seed)
 
     def pick(
         self, candidates: Sequence[EndpointState], totals: Sequence[float], count: int

@@ -19,33 +19,45 @@ cache geometry is not known yet score 1.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from epp.request import InferenceRequest
+from epp.scheduling.data import Input
 from epp.scheduling.framework import Cycle, Scorer, register
 from epp.scheduling.kv_demand import kv_held
+from epp.scheduling.params import Params, param
+from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state.snapshot import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class KvPressureParams(Params):
+    """``start``: the share of an endpoint's KV cache the projected demand may reach before
+    the score falls. ``protect_tokens``: when set, an endpoint keeps score 1 if every endpoint
+    with room caches more than this many fewer of the request's prompt tokens: escaping the
+    pressure would recompute (and store twice) a long cached history, which costs more than
+    waiting for memory."""
+
+    start: float = param(0.8, ge=0, lt=1)
+    protect_tokens: int | None = param(None, ge=0)
 
 
 @register("kv-pressure-scorer")
 class KvPressureScorer(Scorer):
-    """``start``: the share of an endpoint's KV cache the projected demand may reach before
-    the score falls (default 0.8; must be below 1). ``protect_tokens``: when set, an endpoint
-    keeps score 1 if every endpoint with room caches more than this many fewer of the
-    request's prompt tokens: escaping the pressure would recompute (and store twice) a long
-    cached history, which costs more than waiting for memory."""
+    """Cached tokens are an optional input: without a prefix producer in the profile every
+    endpoint counts the whole prompt as uncached, and ``protect_tokens`` protects nothing."""
 
-    def __init__(self, start: float = 0.8, protect_tokens: int | None = None) -> None:
-        if not 0.0 <= start < 1.0:
-            raise ValueError("start must be in [0, 1)")
-        if protect_tokens is not None and protect_tokens < 0:
-            raise ValueError("protect_tokens must be >= 0")
-        self.start = start
-        self.protect_tokens = protect_tokens
+    params_type = KvPressureParams
+    consumes = (Input(CACHED_TOKENS, required=False),)
+
+    def __init__(self, params: KvPressureParams = KvPressureParams()) -> None:
+        self.start = params.start
+        self.protect_tokens = params.protect_tokens
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
-        cached = cycle.cached_tokens()
+        cached = cycle.get(CACHED_TOKENS) or {}
         scores = self._pressure(request, candidates, cycle, cached)
         if self.protect_tokens is None:
             return scores

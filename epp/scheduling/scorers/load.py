@@ -11,9 +11,11 @@ scraped queue. The larger of the two is the endpoint's load, divided by its capa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, Scorer, register
+from epp.scheduling.params import Params, param
 from epp.state.snapshot import EndpointState
 
 
@@ -31,6 +33,12 @@ def outstanding_tokens(endpoint: EndpointState, cycle: Cycle, tokens_per_request
     return max(own.tokens, scraped) / cycle.weights.get(endpoint.address, 1.0)
 
 
+@dataclass(frozen=True, slots=True)
+class InflightLoadParams(Params):
+    tokens_per_request: int = param(512, ge=1)
+    normalise: str = param("ratio", choices=("ratio", "min-max"))
+
+
 @register("inflight-load-scorer", "active-request-scorer")
 class InflightLoadScorer(Scorer):
     """Score in [0, 1]: 1 for the least loaded candidate, less for the others.
@@ -44,13 +52,11 @@ class InflightLoadScorer(Scorer):
     counts to tokens when epp has no count of its own for them, and is the ``slack``.
     """
 
-    def __init__(self, tokens_per_request: int = 512, normalise: str = "ratio") -> None:
-        if tokens_per_request <= 0:
-            raise ValueError("tokens_per_request must be > 0")
-        if normalise not in ("ratio", "min-max"):
-            raise ValueError("normalise must be 'ratio' or 'min-max'")
-        self.tokens_per_request = tokens_per_request
-        self.normalise = normalise
+    params_type = InflightLoadParams
+
+    def __init__(self, params: InflightLoadParams = InflightLoadParams()) -> None:
+        self.tokens_per_request = params.tokens_per_request
+        self.normalise = params.normalise
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle

@@ -15,24 +15,31 @@ than the cache saves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, PostPick, Scorer, register
+from epp.scheduling.params import Params, param
 from epp.state.snapshot import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class SessionParams(Params):
+    ttl_seconds: float = param(300.0, gt=0)
+    max_waiting: int = param(5, ge=1)
+    max_kv_usage: float = param(0.95, gt=0, le=1)
 
 
 @register("session-affinity-scorer")
 class SessionAffinityScorer(Scorer, PostPick):
     """1.0 for the session's current endpoint, 0.0 elsewhere (and everywhere without a session)."""
 
-    def __init__(
-        self, ttl_seconds: float = 300.0, max_waiting: int = 5, max_kv_usage: float = 0.95
-    ) -> None:
-        if ttl_seconds <= 0 or max_waiting <= 0 or not 0 < max_kv_usage <= 1:
-            raise ValueError("need ttl_seconds > 0, max_waiting > 0 and 0 < max_kv_usage <= 1")
-        self.ttl = ttl_seconds
-        self.max_waiting = max_waiting
-        self.max_kv_usage = max_kv_usage
+    params_type = SessionParams
+
+    def __init__(self, params: SessionParams = SessionParams()) -> None:
+        self.ttl = params.ttl_seconds
+        self.max_waiting = params.max_waiting
+        self.max_kv_usage = params.max_kv_usage
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle

@@ -4,9 +4,10 @@ A request's first token waits for the prefill work queued ahead of it and then f
 prefill, which covers only the prompt tokens the endpoint has not cached. Both are in tokens, so
 the estimate is ``(prefill ahead + uncached prompt tokens) / capacity``: cache affinity and load
 are traded in one unit instead of through hand-tuned weights between separate scorers (Dynamo's
-KV router costs workers the same way). Cached tokens come from the prefix scorers' per-endpoint
-matches (:meth:`Cycle.cached_tokens`: precise when available, else approximate); without
-either, every endpoint is assumed cold.
+KV router costs workers the same way). Cached tokens come from the prefix producers' per-endpoint
+matches (:data:`~epp.scheduling.prefix_data.CACHED_TOKENS`: precise when available, else
+approximate), an optional input: in a profile without a prefix producer every endpoint is
+assumed cold.
 
 Prefill ahead is what matters, not all outstanding work: a replica decoding twenty requests whose
 prompts were cache hits starts a new prompt almost at once (a decode step costs a few ms), while
@@ -16,6 +17,8 @@ the request's uncached prompt tokens, and the queue drains at ``prefill_tokens_p
 the endpoint's capacity weight. The scraped waiting queue (requests the engine has not started,
 including ones other gateways sent) is a floor under that estimate. The model is per process:
 with several epp processes each counts its own picks, and the scraped queue covers the rest.
+The queue lives in the fleet state (:class:`~epp.state.backlog.PrefillBacklog`), so a
+configuration reload does not forget it.
 
 A request that does not fit in an endpoint's KV cache waits too: vLLM admits it when its prompt
 fits, and as outputs grow the engine preempts its newest requests and recomputes them later.
@@ -33,52 +36,54 @@ as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from epp.request import InferenceRequest
+from epp.scheduling.data import Input
 from epp.scheduling.framework import Cycle, PostPick, Scorer, register
 from epp.scheduling.kv_demand import kv_held
+from epp.scheduling.params import Params, param
+from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state.snapshot import EndpointState
 
 
-@register("ttft-scorer")
-class TtftScorer(Scorer, PostPick):
+@dataclass(frozen=True, slots=True)
+class TtftParams(Params):
     """``prefill_tokens_per_second``: a capacity-1 replica's prefill speed (an 8B model on one
     H100 computes roughly 10-20k prompt tokens/s). Too high underestimates queues, too low
     spreads prefixes more than needed; within 2x of the truth either way changes little.
     ``kv_wait_factor``: prefill tokens one token of KV overflow costs (0 turns the term off).
     The overflow frees as running requests finish, over their remaining decode time, so the
     factor is roughly that time times the prefill rate over the cache's size: about 1 for a
-    cache a few seconds of decoding fills."""
+    cache a few seconds of decoding fills. ``queue_weight``: how much queued work counts
+    against an endpoint relative to this request's own prefill. ``tokens_per_request``: the
+    size of a scraped waiting request; ``slack_tokens``: the score's slack."""
 
-    def __init__(
-        self,
-        tokens_per_request: int = 512,
-        slack_tokens: int = 64,
-        queue_weight: float = 1.0,
-        prefill_tokens_per_second: float = 10_000.0,
-        kv_wait_factor: float = 1.0,
-    ) -> None:
-        if tokens_per_request <= 0 or slack_tokens <= 0 or queue_weight < 0:
-            raise ValueError("tokens_per_request and slack_tokens must be > 0, queue_weight >= 0")
-        if prefill_tokens_per_second <= 0:
-            raise ValueError("prefill_tokens_per_second must be > 0")
-        if kv_wait_factor < 0:
-            raise ValueError("kv_wait_factor must be >= 0")
-        self.tokens_per_request = tokens_per_request
-        self.slack = slack_tokens
-        # How much queued work counts against an endpoint relative to this request's own prefill.
-        self.queue_weight = queue_weight
-        self.prefill_rate = prefill_tokens_per_second
-        self.kv_wait_factor = kv_wait_factor
-        # Endpoint -> (prefill tokens queued there, as of this wall-clock time).
-        self._backlog: dict[str, tuple[float, float]] = {}
+    tokens_per_request: int = param(512, ge=1)
+    slack_tokens: int = param(64, ge=1)
+    queue_weight: float = param(1.0, ge=0)
+    prefill_tokens_per_second: float = param(10_000.0, gt=0)
+    kv_wait_factor: float = param(1.0, ge=0)
+
+
+@register("ttft-scorer")
+class TtftScorer(Scorer, PostPick):
+    params_type = TtftParams
+    consumes = (Input(CACHED_TOKENS, required=False),)
+
+    def __init__(self, params: TtftParams = TtftParams()) -> None:
+        self.tokens_per_request = params.tokens_per_request
+        self.slack = params.slack_tokens
+        self.queue_weight = params.queue_weight
+        self.prefill_rate = params.prefill_tokens_per_second
+        self.kv_wait_factor = params.kv_wait_factor
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
         prompt = request.prompt_tokens()
         output = request.output_tokens()
-        cached = cycle.cached_tokens()
+        cached = cycle.get(CACHED_TOKENS) or {}
         estimates = []
         for c in candidates:
             uncached = max(0, prompt - cached.get(c.address, 0))
@@ -98,12 +103,13 @@ class TtftScorer(Scorer, PostPick):
 
     def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None:
         address = endpoint.address
-        uncached = max(0, request.prompt_tokens() - cycle.cached_tokens().get(address, 0))
-        self._backlog[address] = (self.backlog(address, cycle) + uncached, cycle.now)
+        cached = cycle.get(CACHED_TOKENS) or {}
+        uncached = max(0, request.prompt_tokens() - cached.get(address, 0))
+        cycle.fleet.prefill.set(address, self.backlog(address, cycle) + uncached, cycle.now)
 
     def backlog(self, address: str, cycle: Cycle) -> float:
         """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained)."""
-        entry = self._backlog.get(address)
+        entry = cycle.fleet.prefill.get(address)
         if entry is None:
             return 0.0
         tokens, as_of = entry

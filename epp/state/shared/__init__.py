@@ -2,7 +2,7 @@
 
 - :mod:`~epp.state.shared.connect`: standalone, Sentinel or Cluster Redis from one URL.
 - :mod:`~epp.state.shared.keys`: the key schema (all keys in one Cluster slot).
-- :mod:`epp.sources.lease`: each endpoint scraped by one process of the group.
+- :mod:`~epp.state.shared.lease`: each endpoint scraped by one process of the group.
 - :mod:`~epp.state.shared.loads`: in-flight counts summed over the group.
 - :mod:`~epp.state.shared.picks`: what picks add to the prefix index and the session table,
   replayed by every other process through a stream.
@@ -14,6 +14,6 @@ Endpoint states travel through :class:`~epp.state.redis_store.RedisStore`. The p
 index needs nothing from here: each process subscribes to every engine's KV events itself (ZMQ
 PUB fans out to any number of subscribers), so all of them see the same events.
 
-Import from the submodules: :mod:`epp.sources.lease` builds on the key schema here, so this
-package imports nothing itself.
+Import from the submodules: this package imports nothing itself, so importing one of them
+does not pull in the others.
 """

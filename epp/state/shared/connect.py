@@ -6,8 +6,9 @@ the whole configuration and no extra key can contradict the URL:
 - ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS), ``unix:///path``: one server.
 - ``redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db]`` and
   ``rediss+sentinel://``: ask the Sentinels for the master of ``service_name`` and follow it
-  across failovers. The credentials are the data servers'; ``?sentinel_password=`` authenticates
-  to the Sentinels when they require it. TLS options apply to Sentinels and servers alike.
+  across failovers (every connection moves within FOLLOW_INTERVAL of the switch). The
+  credentials are the data servers'; ``?sentinel_password=`` authenticates to the Sentinels
+  when they require it. TLS options apply to Sentinels and servers alike.
 - ``redis+cluster://[user:password@]host:port[,host:port...]`` and ``rediss+cluster://``: any
   reachable nodes seed the slot map of a Redis Cluster.
 
@@ -17,15 +18,26 @@ and win over the defaults passed by the caller.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import math
+import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
-from redis.asyncio.connection import SSLConnection, parse_url
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.connection import Connection, SSLConnection, parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+log = logging.getLogger(__name__)
 
 Client = Redis | RedisCluster
+
+# A Sentinel client in use asks this often whether the master moved: the bound on how long a
+# process keeps talking to the old master after a failover.
+FOLLOW_INTERVAL = 0.5
 
 FLAVOURS = ("standalone", "sentinel", "cluster")
 # Every scheme epp accepts, for configuration validation.
@@ -87,9 +99,12 @@ def connect(url: str, **defaults: Any) -> Client:
     sentinel_options = {k: v for k, v in options.items() if k.startswith(("socket_", "ssl"))}
     if sentinel_password is not None:
         sentinel_options["password"] = sentinel_password
-    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_options, **options)
-    client = sentinel.master_for(service, redis_class=_SentinelMaster)
-    client.sentinel = sentinel
+    # redis-py leaves Sentinel's constructor and master_for unannotated.
+    sentinels = Sentinel(hosts, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
+    client: _SentinelMaster = sentinels.master_for(
+        service, redis_class=_SentinelMaster, connection_pool_class=_FollowingPool
+    )
+    client.sentinels = sentinels
     return client
 
 
@@ -119,8 +134,83 @@ def _split(url: str) -> tuple[list[tuple[str, int]], dict[str, Any], str]:
 class _SentinelMaster(Redis):
     """The master's client; closing it also closes the connections to the Sentinels."""
 
-    sentinel: Sentinel
+    # Not ``sentinel``: that name is Redis' SENTINEL command.
+    sentinels: Sentinel
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        await self.sentinel.aclose()
+        await self.sentinels.aclose()
+
+
+class _FollowingConnection(SentinelManagedConnection):
+    """A Sentinel connection that asks the Sentinels whenever it reconnects.
+
+    redis-py 8 reconnects a connection dropped in the middle of a command (its retry) with
+    ``connect_check_health``, which skips the Sentinel lookup of ``connect`` and dials the
+    address the connection had: the old master after a failover.
+    """
+
+    async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+        if not self.is_connected:
+            await self.connect()  # type: ignore[no-untyped-call]
+        await super().send_packed_command(*args, **kwargs)
+
+
+class _FollowingSSLConnection(_FollowingConnection, SSLConnection):
+    pass
+
+
+class _FollowingPool(SentinelConnectionPool):
+    """A Sentinel pool whose connections all move to a new master within FOLLOW_INTERVAL.
+
+    redis-py asks the Sentinels only when it opens a connection, and then closes only the idle
+    ones: a busy connection (a blocking XREAD) and every connection of a pool that opens none
+    keep talking to the old master. After a ``SENTINEL FAILOVER`` the old master stays a
+    writable master until the Sentinel reconfigures it, seconds later, so processes that
+    opened a connection meanwhile write to the new master while the others read the old one:
+    the group splits and picks stop travelling. So while the pool is used it asks the
+    Sentinels every FOLLOW_INTERVAL, in the background (no command waits for a Sentinel), and
+    closes every connection, busy ones too, that points elsewhere; their commands retry on
+    the new master.
+    """
+
+    # redis-py leaves the base class unannotated.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        ssl = kwargs.pop("ssl", False)
+        kwargs["connection_class"] = _FollowingSSLConnection if ssl else _FollowingConnection
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._asked_at = -math.inf
+        self._asking: asyncio.Task[None] | None = None
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self._asked_at >= FOLLOW_INTERVAL and (
+            self._asking is None or self._asking.done()
+        ):
+            self._asked_at = now
+            self._asking = asyncio.create_task(self._follow(), name="epp-sentinel-follow")
+        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    async def _follow(self) -> None:
+        try:
+            master = await self.get_master_address()  # type: ignore[no-untyped-call]
+        except Exception as exc:  # Sentinels unreachable: keep the connections we have
+            log.debug("cannot ask the sentinels for the master: %s", exc)
+            return
+        stale = [
+            connection
+            for connection in (*self._available_connections, *self._in_use_connections)
+            if isinstance(connection, Connection)  # always: Sentinel connections are TCP
+            and connection.is_connected
+            and (connection.host, connection.port) != tuple(master)
+        ]
+        if stale:
+            log.info("redis master moved to %s:%s, reconnecting", *master)
+            await asyncio.gather(*(c.disconnect() for c in stale), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._asking
+        await super().aclose()

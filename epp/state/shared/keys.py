@@ -14,7 +14,8 @@ key                             type      written by / lifetime
                                           older than the lease TTL is pruned; key PX lease TTL
 ``{p}:load:<process id>``       hash      endpoint -> "requests tokens" the process has in
                                           flight; PX 10 intervals (a dead process's expire)
-``{p}:picks``                   stream    prefix-index insertions and session bindings, up
+``{p}:picks``                   stream    prefix-index insertions, session bindings and
+                                          passive-health verdicts (ejections, readmissions), up
                                           to 32 per entry; ``MAXLEN ~ 1024``, PX 1 h
 ==============================  ========  =====================================================
 """

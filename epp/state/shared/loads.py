@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from redis.typing import EncodableT, FieldT
+
 from epp.state.inflight import Load
 
 
-def encode(loads: Mapping[str, Load]) -> dict[str, str]:
+def encode(loads: Mapping[str, Load]) -> dict[FieldT, EncodableT]:
     """Hash fields for one process's counts (zeros included: they overwrite older counts)."""
     return {address: f"{load.requests} {load.tokens}" for address, load in loads.items()}
 

@@ -110,6 +110,12 @@ class PickStream:
         self._started_at = 0.0
         self._apply_failed = False
 
+    def set_interval(self, interval: float) -> None:
+        """Follow a new scrape interval: retry backoff starts there, polling runs at it."""
+        self._retry = interval
+        if self._poll is not None:
+            self._poll = self._linger = interval
+
     async def start(self) -> None:
         if not self._tasks:
             self._stopping = False

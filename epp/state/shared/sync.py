@@ -1,9 +1,10 @@
 """The background loop that makes a group of epp processes act as one picker.
 
 Every scrape interval one pipeline (one round trip) renews this process's scrape leases and
-group membership (:mod:`epp.sources.lease`), publishes its in-flight counts and reads the other
-members' (:mod:`epp.state.shared.loads`). What picks teach the prefix index and the session
-table travels separately, within milliseconds (:mod:`epp.state.shared.picks`). Endpoint states
+group membership (:mod:`epp.state.shared.lease`), publishes its in-flight counts and reads the
+other members' (:mod:`epp.state.shared.loads`). What picks teach the prefix index and the
+session table, and passive health's ejections and readmissions, travel separately, within
+milliseconds (:mod:`epp.state.shared.picks`). Endpoint states
 themselves are shared by the state store (:class:`~epp.state.redis_store.RedisStore`), which
 this loop does not touch.
 
@@ -16,6 +17,7 @@ republishes counts and ships the outbox (also logged once).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -28,10 +30,11 @@ from redis.backoff import NoBackoff
 
 from epp.observability import SHARED_INFLIGHT, SHARED_MEMBERS
 from epp.prefix.approximate import Insertion
-from epp.sources.lease import Leases
 from epp.state.fleet import FleetState
+from epp.state.health import Verdict
 from epp.state.shared.connect import connect, hash_tag
 from epp.state.shared.keys import Keys
+from epp.state.shared.lease import Leases
 from epp.state.shared.loads import encode, total
 from epp.state.shared.picks import Channel, PickStream
 from epp.state.shared.sessions import Binding, SharedSessionTable
@@ -81,7 +84,10 @@ class SharedState:
         self._inflight = fleet.inflight
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
-        channels = [Channel("prefix", fleet.prefix, Insertion)]
+        channels = [
+            Channel("prefix", fleet.prefix, Insertion),
+            Channel("health", fleet.health, Verdict),
+        ]
         if isinstance(fleet.sessions, SharedSessionTable):
             channels.append(Channel("sessions", fleet.sessions, Binding))
         self._picks = PickStream(
@@ -93,9 +99,26 @@ class SharedState:
             retry_interval=interval,
         )
         self._members: list[str] = []
+        # Set by set_interval: cuts the current wait short so a new interval applies at once.
+        self._retimed = asyncio.Event()
         self._up: bool | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+
+    @property
+    def interval(self) -> float:
+        return self._interval
+
+    def set_interval(self, interval: float) -> None:
+        """Follow a new scrape interval (a configuration reload): ticks, lease and load TTLs
+        and the pick stream's retries all derive from it."""
+        if interval <= 0:
+            raise ValueError("interval must be > 0")
+        self._interval = interval
+        self.leases.set_ttl(LEASE_INTERVALS * interval)
+        self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
+        self._picks.set_interval(interval)
+        self._retimed.set()
 
     def owns(self, address: str) -> bool:
         """Whether this process scrapes ``address`` (the scraper asks before each scrape)."""
@@ -150,7 +173,12 @@ class SharedState:
             self._set_up(True)
             backoff = self._interval
             next_at = max(next_at + self._interval, loop.time())
-            await asyncio.sleep(next_at - loop.time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(next_at - loop.time()):
+                    await self._retimed.wait()
+            if self._retimed.is_set():
+                self._retimed.clear()
+                next_at = loop.time()
 
     async def _tick(self) -> None:
         others = [m for m in self._members if m != self.me]

@@ -7,16 +7,14 @@ import random
 
 from epp.prefix.tokens import TokenizerRegistry
 from epp.request import InferenceRequest
-from epp.scheduling import Cycle, Profile, create_plugin
-from epp.scheduling.pickers.max_score import MaxScorePicker
-from epp.scheduling.scorers.precise_prefix import (
-    CACHED_TOKENS_KEY,
-    TOKEN_IDS_KEY,
-    PrecisePrefixCacheScorer,
-)
+from epp.scheduling import Cycle, PluginSpec, ProfileSpec, build_profile
+from epp.scheduling.pickers.max_score import MaxScoreParams
+from epp.scheduling.prefix_data import PRECISE_PREFIX, best_cached_tokens
+from epp.scheduling.scorers.precise_prefix import PreciseParams, PrecisePrefixCacheScorer
 from epp.sim.tokenization import BUNDLED_DIR
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
+from tests.unit.scheduling.common import scored
 
 BS = 16
 PROMPT = tuple(range(1000, 1000 + 10 * BS))  # 10 full blocks
@@ -47,11 +45,14 @@ def test_score_is_engine_cached_blocks_over_full_blocks_and_tokens_are_published
     engine_stores(fleet, "a", PROMPT, 10)
     engine_stores(fleet, "b", PROMPT, 4)
     c = cycle(fleet)
-    scores = PrecisePrefixCacheScorer().score(req(), [ep("a"), ep("b"), ep("c")], c)
+    scores = scored(PrecisePrefixCacheScorer(), req(), [ep("a"), ep("b"), ep("c")], c)
     assert scores == [1.0, 0.4, 0.0]
-    assert c.data[TOKEN_IDS_KEY] == PROMPT
+    match = c.get(PRECISE_PREFIX)
+    assert match is not None
+    assert match.tokens == PROMPT
     # A full hit still recomputes the prompt's last block (vLLM caps hits at length - 1).
-    assert c.data[CACHED_TOKENS_KEY] == {"a": 9 * BS, "b": 4 * BS, "c": 0}
+    assert match.cached_tokens == {"a": 9 * BS, "b": 4 * BS, "c": 0}
+    assert best_cached_tokens(c) == match.cached_tokens
 
 
 def test_each_endpoint_is_cut_in_its_own_block_size() -> None:
@@ -60,8 +61,11 @@ def test_each_endpoint_is_cut_in_its_own_block_size() -> None:
     fleet.precise.stored("big", [1, 2], None, tokens[:64], 32)
     engine_stores(fleet, "small", tokens, 8)
     # "big" is not scraped yet: its events told the index its block size.
-    scores = PrecisePrefixCacheScorer().score(
-        req(tokens), [ep("big", block_size=None), ep("small")], cycle(fleet)
+    scores = scored(
+        PrecisePrefixCacheScorer(),
+        req(tokens),
+        [ep("big", block_size=None), ep("small")],
+        cycle(fleet),
     )
     assert scores == [0.5, 1.0]
 
@@ -69,13 +73,16 @@ def test_each_endpoint_is_cut_in_its_own_block_size() -> None:
 def test_unknown_block_size_or_tokens_score_zero_and_publish_nothing() -> None:
     fleet = FleetState()
     c = cycle(fleet)
-    assert PrecisePrefixCacheScorer().score(req(), [ep("new", block_size=None)], c) == [0.0]
-    assert c.data[CACHED_TOKENS_KEY] == {}
+    assert scored(PrecisePrefixCacheScorer(), req(), [ep("new", block_size=None)], c) == [0.0]
+    assert best_cached_tokens(c) == {}
     # No tokenizer configured for the model: no token ids, so no claim about any endpoint.
     c = cycle(fleet)
-    assert PrecisePrefixCacheScorer().score(req(None, "some text"), [ep("a")], c) == [0.0]
-    assert CACHED_TOKENS_KEY not in c.data
-    assert TOKEN_IDS_KEY not in c.data
+    assert scored(PrecisePrefixCacheScorer(), req(None, "some text"), [ep("a")], c) == [0.0]
+    match = c.get(PRECISE_PREFIX)
+    assert match is not None
+    assert match.tokens is None
+    assert match.cached_tokens == {}
+    assert best_cached_tokens(c) == {}
 
 
 def test_text_prompts_are_tokenized_with_the_models_tokenizer() -> None:
@@ -87,50 +94,55 @@ def test_text_prompts_are_tokenized_with_the_models_tokenizer() -> None:
     assert ids is not None
     assert ids[0] == 0  # BOS, as vLLM adds for completions
     engine_stores(fleet, "a", tuple(ids), len(ids) // BS)
-    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [1.0]
+    assert scored(PrecisePrefixCacheScorer(), request, [ep("a")], cycle(fleet)) == [1.0]
 
 
 def test_pick_adds_speculative_entries_until_the_ttl() -> None:
     fleet = FleetState()
     engine_stores(fleet, "a", PROMPT, 3)
-    scorer = PrecisePrefixCacheScorer(speculative_ttl=2.0)
-    profile = Profile("p", [], [(scorer, 1.0)], MaxScorePicker(seed=1), [scorer])
-    first = profile.run(req(), [ep("a"), ep("b")], cycle(fleet, now=100.0), 1)
+    scorer = PrecisePrefixCacheScorer(PreciseParams(speculative_ttl=2.0))
+    spec = ProfileSpec(
+        "p",
+        (
+            PluginSpec("precise-prefix-cache-scorer", "precise", PreciseParams(), 1.0),
+            PluginSpec("max-score-picker", "picker", MaxScoreParams(seed=1)),
+        ),
+    )
+    first = build_profile(spec).run(req(), [ep("a"), ep("b")], cycle(fleet, now=100.0), 1)
     assert first.endpoints[0].address == "a"
     # Before the engine reports the prefill, the same prompt goes where the first one went.
-    assert scorer.score(req(), [ep("a"), ep("b")], cycle(fleet, now=101.0)) == [1.0, 0.0]
-    assert scorer.score(req(), [ep("a"), ep("b")], cycle(fleet, now=102.5)) == [0.3, 0.0]
+    assert scored(scorer, req(), [ep("a"), ep("b")], cycle(fleet, now=101.0)) == [1.0, 0.0]
+    assert scored(scorer, req(), [ep("a"), ep("b")], cycle(fleet, now=102.5)) == [0.3, 0.0]
 
 
 def test_zero_ttl_disables_speculation() -> None:
     fleet = FleetState()
-    scorer = PrecisePrefixCacheScorer(speculative_ttl=0)
+    scorer = PrecisePrefixCacheScorer(PreciseParams(speculative_ttl=0))
     c = cycle(fleet)
-    scorer.score(req(), [ep("a")], c)
+    scored(scorer, req(), [ep("a")], c)
     scorer.on_pick(req(), ep("a"), c)
-    assert scorer.score(req(), [ep("a")], cycle(fleet)) == [0.0]
+    assert scored(scorer, req(), [ep("a")], cycle(fleet)) == [0.0]
 
 
 def test_max_blocks_caps_the_work_on_huge_prompts() -> None:
     fleet = FleetState()
     engine_stores(fleet, "a", PROMPT, 2)
-    scorer = create_plugin("precise-prefix-cache-scorer", "p", {"max_blocks": 4})
-    assert isinstance(scorer, PrecisePrefixCacheScorer)
-    assert scorer.score(req(), [ep("a")], cycle(fleet)) == [0.5]
+    scorer = PrecisePrefixCacheScorer(PreciseParams(max_blocks=4))
+    assert scored(scorer, req(), [ep("a")], cycle(fleet)) == [0.5]
 
 
 def test_token_ids_outside_the_vocabulary_range_match_nothing() -> None:
     fleet = FleetState()
-    assert PrecisePrefixCacheScorer().score(req((-5,) * 32), [ep("a")], cycle(fleet)) == [0.0]
+    assert scored(PrecisePrefixCacheScorer(), req((-5,) * 32), [ep("a")], cycle(fleet)) == [0.0]
 
 
 def test_lora_requests_match_their_adapters_blocks() -> None:
     fleet = FleetState()
     fleet.precise.stored("a", [1, 2], None, PROMPT[:32], BS, lora="ad", extra_keys=[["ad"]] * 2)
     request = req()
-    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.0]
+    assert scored(PrecisePrefixCacheScorer(), request, [ep("a")], cycle(fleet)) == [0.0]
     request.lora = "ad"
-    assert PrecisePrefixCacheScorer().score(request, [ep("a")], cycle(fleet)) == [0.2]
+    assert scored(PrecisePrefixCacheScorer(), request, [ep("a")], cycle(fleet)) == [0.2]
 
 
 def long_text_request(words: int = 3000) -> InferenceRequest:
@@ -142,7 +154,7 @@ def long_text_request(words: int = 3000) -> InferenceRequest:
 async def test_prepare_waits_for_a_long_new_prompt_so_it_is_scored_precisely() -> None:
     fleet = FleetState()
     fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
-    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000)
+    scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000))
     request = long_text_request()
     reference = TokenizerRegistry()  # its own cache: the prompt stays new to the fleet's
     reference.set_models({"tiny": str(BUNDLED_DIR)})
@@ -152,24 +164,29 @@ async def test_prepare_waits_for_a_long_new_prompt_so_it_is_scored_precisely() -
 
     await scorer.prepare(request, fleet)
     c = cycle(fleet)
-    assert scorer.score(request, [ep("a"), ep("b")], c) == [5 / (len(engine_ids) // BS), 0.0]
-    assert c.data[CACHED_TOKENS_KEY]["a"] == 5 * BS
+    assert scored(scorer, request, [ep("a"), ep("b")], c) == [5 / (len(engine_ids) // BS), 0.0]
+    match = c.get(PRECISE_PREFIX)
+    assert match is not None
+    assert match.cached_tokens["a"] == 5 * BS
 
 
 async def test_without_waiting_a_long_new_prompt_scores_zero_until_tokenized() -> None:
     fleet = FleetState()
     fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
-    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000, tokenize_wait=0)
+    scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000, tokenize_wait=0))
     request = long_text_request()
     await scorer.prepare(request, fleet)
-    assert scorer.score(request, [ep("a")], cycle(fleet)) == [0.0]
-    assert TOKEN_IDS_KEY not in cycle(fleet).data
+    c = cycle(fleet)
+    assert scored(scorer, request, [ep("a")], c) == [0.0]
+    match = c.get(PRECISE_PREFIX)
+    assert match is not None
+    assert match.tokens is None
 
 
 async def test_prepare_gives_up_after_tokenize_wait_and_the_work_goes_on() -> None:
     fleet = FleetState()
     fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
-    scorer = PrecisePrefixCacheScorer(max_inline_chars=1000, tokenize_wait=1e-6)
+    scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000, tokenize_wait=1e-6))
     request = long_text_request(words=60_000)
     await scorer.prepare(request, fleet)  # returns at once: far too short a wait
     assert fleet.tokenizers.token_ids(request, 1000) is None

@@ -25,6 +25,7 @@ from epp.devstack import free_port
 from epp.prefix.precise import chain_keys, root_key
 from epp.request import RequestPolicy, parse_request
 from epp.scheduling import Cycle
+from epp.scheduling.prefix_data import best_cached_tokens
 from epp.scheduling.scorers.precise_prefix import PrecisePrefixCacheScorer
 from epp.sim.tokenization import BUNDLED_DIR
 from epp.sources.kv_events import KvEventSubscriber
@@ -149,6 +150,8 @@ async def test_engine_blocks_match_our_keys_for_the_same_request(
 
     endpoint = EndpointState(ENDPOINT, "pool", True, EndpointMetrics(block_size=BLOCK_SIZE))
     cycle = Cycle(Snapshot(), fleet)
-    assert PrecisePrefixCacheScorer().score(request, [endpoint], cycle) == [1.0]
+    scorer = PrecisePrefixCacheScorer()
+    scorer.produce(request, [endpoint], cycle)
+    assert scorer.score(request, [endpoint], cycle) == [1.0]
     usable = (len(tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert cycle.data["cached_tokens"] == {ENDPOINT: min(len(keys) * BLOCK_SIZE, usable)}
+    assert best_cached_tokens(cycle) == {ENDPOINT: min(len(keys) * BLOCK_SIZE, usable)}

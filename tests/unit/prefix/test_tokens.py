@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -18,10 +19,9 @@ from epp.prefix.tokens import (
     ModelTokenizer,
     TokenCache,
     TokenizerRegistry,
-    parse_messages,
 )
 from epp.request import InferenceRequest, RequestPolicy, parse_request
-from epp.sim.tokenization import BUNDLED_DIR
+from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
 from tests.unit.prefix.helpers import FIXTURES
 
 pytest.importorskip("jinja2")
@@ -102,25 +102,77 @@ def test_unloadable_tokenizer_dir_is_logged_and_scored_without(tmp_path: Path) -
 # -- chat rendering -----------------------------------------------------------------------------
 
 
-def test_messages_round_trip_through_the_request_prompt() -> None:
-    messages = [
-        {"role": "system", "content": "Be brief.\nReally."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": ""},
-    ]
-    req = request("/v1/chat/completions", {"model": "tiny", "messages": messages})
-    assert parse_messages(req.prompt) == [
-        {"role": "system", "content": "Be brief.\nReally."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": ""},
-    ]
+MULTI_PART = [
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "First part."},
+            {"type": "text", "text": ""},
+            "Second part.",
+            {"type": "text", "text": "Third\npart."},
+        ],
+    },
+    {"role": "assistant", "content": None},
+]
+
+
+def test_multi_part_text_is_joined_as_the_engine_joins_it() -> None:
+    """vLLM joins a message's non-empty text parts with a newline before rendering the
+    template; the ids must be those of the simulator's template, which implements vLLM's."""
+    req = request("/v1/chat/completions", {"model": "tiny", "messages": MULTI_PART})
+    ids = registry().token_ids(req)
+    expected = SimTokenizer(BUNDLED_DIR).encode_chat(MULTI_PART, add_generation_prompt=True)
+    assert ids is not None
+    assert list(ids) == expected
+    joined = request(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "First part.\nSecond part.\nThird\npart."},
+                {"role": "assistant", "content": ""},
+            ],
+        },
+    )
+    assert registry().token_ids(joined) == ids
+
+
+def test_image_parts_get_no_precise_ids_and_distinct_hashing_text() -> None:
+    def with_image(url: str) -> InferenceRequest:
+        content = [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        return request(
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": content}]},
+        )
+
+    a, b = with_image("https://example.com/a.png"), with_image("https://example.com/b.png")
+    assert registry().token_ids(a) is None
+    assert a.prompt != b.prompt
+    assert "https://example.com/a.png" in a.prompt
+
+
+def test_responses_instructions_come_first_as_a_system_message() -> None:
     responses = request(
         "/v1/responses", {"model": "tiny", "instructions": "Be brief.", "input": "Hi"}
     )
-    assert parse_messages(responses.prompt) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-    ]
+    chat = request(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+        },
+    )
+    assert responses.messages == chat.messages
+    assert responses.prompt == chat.prompt
+    assert registry().token_ids(responses) == registry().token_ids(chat)
 
 
 def tokenizer_dir(tmp_path: Path, **config: object) -> Path:
@@ -132,7 +184,8 @@ def tokenizer_dir(tmp_path: Path, **config: object) -> Path:
 
 
 def render(directory: Path, messages: list[dict[str, str]]) -> str:
-    return ModelTokenizer(directory).chat_template().render(messages)
+    parsed = request("/v1/chat/completions", {"model": "t", "messages": messages or [{}]})
+    return ModelTokenizer(directory).chat_template().render(parsed.messages[: len(messages)])
 
 
 def test_template_environment_matches_transformers(tmp_path: Path) -> None:
@@ -185,8 +238,11 @@ def test_broken_template_or_untokenizable_text_never_fails_the_request(tmp_path:
     chat = request("/v1/chat/completions", {"model": "t", "messages": [{"role": "user"}]})
     assert reg.token_ids(chat) is None
     assert reg.token_ids(chat) is None
-    # JSON may escape a lone surrogate; the Rust tokenizer refuses such text.
-    lone = request("/v1/completions", {"model": "t", "prompt": "a\ud800b"})
+    # JSON may escape a lone surrogate; the Rust tokenizer refuses such text. parse_request
+    # refuses it (400) before scheduling; the registry must not fail on it all the same.
+    lone = dataclasses.replace(
+        request("/v1/completions", {"model": "t", "prompt": "ab"}), prompt="a\ud800b"
+    )
     assert reg.token_ids(lone) is None
     assert reg.token_ids(request("/v1/completions", {"model": "t", "prompt": "ab"})) is not None
 

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from epp.prefix.hashing import BlockHasher
 from epp.scheduling.filters.kv_headroom import KvHeadroomFilter
-from epp.scheduling.scorers.prefix import MATCH_KEY
+from epp.scheduling.scorers.prefix import PrefixParams
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
-from tests.unit.scheduling.common import cycle, ep, req, text
+from tests.unit.scheduling.common import cycle, ep, profile_of, req, text
 
 
 def geometry(address: str, free_blocks: int, block_size: int = 16) -> EndpointState:
@@ -51,15 +51,16 @@ def test_cached_prefix_blocks_need_no_room() -> None:
     hashes = BlockHasher().hashes(req(PROMPT))
     fleet.prefix.insert("tight", hashes, capacity=1000)  # all 25 full blocks: 400 tokens
     eps = [geometry("tight", 1), geometry("roomy", 100), geometry("also-tight", 1)]
-    kept = KvHeadroomFilter().filter(req(PROMPT), eps, cycle(fleet))
+    c = cycle(fleet)
+    # The cached tokens come from the profile's data step (here: the approximate prefix).
+    profile_of(("prefix-cache-scorer", PrefixParams(), 0.0)).produce(req(PROMPT), eps, c)
+    kept = KvHeadroomFilter().filter(req(PROMPT), eps, c)
     assert addresses(kept) == ["tight", "roomy"]
 
 
-def test_short_prompts_pass_without_hashing() -> None:
-    c = cycle()
+def test_short_prompts_pass() -> None:
     eps = [geometry("a", 30), geometry("b", 1)]
-    assert KvHeadroomFilter().filter(req("x" * 60), eps, c) == eps
-    assert MATCH_KEY not in c.data
+    assert KvHeadroomFilter().filter(req("x" * 60), eps, cycle()) == eps
 
 
 def test_token_prompts_count_exact_tokens() -> None:

@@ -10,6 +10,7 @@ import pytest
 from epp.config import ConfigError, parse_config
 from epp.request import InferenceRequest, RequestPolicy, parse_request
 from epp.router import Router
+from epp.scheduling import build_profile
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
 from tests.unit.scheduling.common import text
@@ -29,7 +30,7 @@ CONFIG: dict[str, Any] = {
     "scheduling": {
         "plugins": [
             {"name": "prefix", "type": "prefix-cache-scorer", "parameters": {"max_blocks": 512}},
-            {"name": "headroom", "type": "kv-headroom-filter", "parameters": {"max_blocks": 512}},
+            {"name": "headroom", "type": "kv-headroom-filter"},
             {
                 "name": "session",
                 "type": "session-affinity-scorer",
@@ -146,8 +147,10 @@ def test_gie_names_and_alias_are_accepted() -> None:
     for name in ("prefix-cache-scorer", "approx-prefix-cache-scorer"):
         profile = {"p": [{"plugin": name, "weight": 3}, {"plugin": "max-score-picker"}]}
         config = parse_config({**CONFIG, "scheduling": {"profile": "p", "profiles": profile}})
-        assert type(config.profile.scorers[0][0]).__name__ == "PrefixCacheScorer"
-        assert config.profile.post_pick == [config.profile.scorers[0][0]]
+        built = build_profile(config.scheduling.selected)
+        assert type(built.scorers[0][0]).__name__ == "PrefixCacheScorer"
+        assert built.post_pick == [built.scorers[0][0]]
+        assert built.producers == [built.scorers[0][0]]
 
 
 @pytest.mark.parametrize(
@@ -155,7 +158,7 @@ def test_gie_names_and_alias_are_accepted() -> None:
     [
         ("prefix-cache-scorer", {"block_chars": 0}, "block_chars"),
         ("prefix-cache-scorer", {"lru_capacity": -1}, "lru_capacity"),
-        ("kv-headroom-filter", {"blocks": 3}, "unexpected keyword"),
+        ("kv-headroom-filter", {"blocks": 3}, r"p\[0\]\.parameters\.blocks: must not be set"),
         ("session-affinity-scorer", {"ttl_seconds": 0}, "ttl_seconds"),
     ],
 )

@@ -6,8 +6,8 @@ import pytest
 
 from epp.scheduling import Profile
 from epp.scheduling.filters.ready import ReadyEndpointFilter
-from epp.scheduling.pickers.max_score import MaxScorePicker
-from epp.scheduling.scorers.session import SessionAffinityScorer
+from epp.scheduling.pickers.max_score import MaxScoreParams, MaxScorePicker
+from epp.scheduling.scorers.session import SessionAffinityScorer, SessionParams
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.sessions import SessionTable
@@ -63,8 +63,14 @@ def route(
 
 @pytest.fixture
 def profile() -> Profile:
-    scorer = SessionAffinityScorer(ttl_seconds=60, max_waiting=4, max_kv_usage=0.9)
-    return Profile("t", [ReadyEndpointFilter()], [(scorer, 1.0)], MaxScorePicker(seed=5), [scorer])
+    scorer = SessionAffinityScorer(SessionParams(ttl_seconds=60, max_waiting=4, max_kv_usage=0.9))
+    return Profile(
+        "t",
+        [ReadyEndpointFilter()],
+        [(scorer, 1.0)],
+        MaxScorePicker(MaxScoreParams(seed=5)),
+        [scorer],
+    )
 
 
 def test_session_sticks_and_each_pick_refreshes_its_ttl(profile: Profile) -> None:
@@ -109,6 +115,6 @@ def test_session_moves_off_an_overloaded_endpoint(
 
 def test_rejects_bad_parameters() -> None:
     with pytest.raises(ValueError, match="ttl"):
-        SessionAffinityScorer(ttl_seconds=0)
+        SessionAffinityScorer(SessionParams(ttl_seconds=0))
     with pytest.raises(ValueError, match="max_kv_usage"):
-        SessionAffinityScorer(max_kv_usage=1.5)
+        SessionAffinityScorer(SessionParams(max_kv_usage=1.5))

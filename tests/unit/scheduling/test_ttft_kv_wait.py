@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epp.config import ConfigError, parse_config
-from epp.scheduling.scorers.ttft import TtftScorer
+from epp.scheduling import build_profile
+from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.scheduling.scorers.ttft import TtftParams, TtftScorer
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from tests.unit.scheduling.common import cycle, ep, req
@@ -27,10 +29,12 @@ def scores(
     for address, tokens in held.items():
         fleet.inflight.add(address, tokens)
     c = cycle(fleet)
-    c.data["approx_cached_tokens"] = cached
+    c.put(CACHED_TOKENS, cached)
     request = req("x" * 4 * (prompt_tokens - 1), max_tokens=100)
     assert request.prompt_tokens() == prompt_tokens
-    return TtftScorer(kv_wait_factor=factor).score(request, [geometry(a) for a in held], c)
+    return TtftScorer(TtftParams(kv_wait_factor=factor)).score(
+        request, [geometry(a) for a in held], c
+    )
 
 
 def test_overflow_moves_a_short_cached_prefix_off_a_full_replica() -> None:
@@ -66,11 +70,11 @@ def test_a_scraped_full_cache_counts_and_unknown_geometry_costs_nothing() -> Non
     tokens; a replica whose cache size is not scraped yet is not charged."""
     eps = [ep("fresh"), geometry("full", kv_usage=1.0)]
     request = req("x" * 4_000, max_tokens=1_000)
-    fresh, full = TtftScorer(kv_wait_factor=1.0).score(request, eps, cycle())
+    fresh, full = TtftScorer(TtftParams(kv_wait_factor=1.0)).score(request, eps, cycle())
     assert fresh == 1.0
     assert full == pytest.approx((1_001 + 64) / (1_001 + 2_001 + 64))
     with pytest.raises(ValueError, match="kv_wait_factor"):
-        TtftScorer(kv_wait_factor=-1.0)
+        TtftScorer(TtftParams(kv_wait_factor=-1.0))
 
 
 def test_the_factor_comes_from_the_profile_file_and_a_bad_one_names_its_key() -> None:
@@ -85,9 +89,9 @@ def test_the_factor_comes_from_the_profile_file_and_a_bad_one_names_its_key() ->
             },
         }
 
-    ((scorer, _),) = parse_config(config(0.5)).profile.scorers
+    ((scorer, _),) = build_profile(parse_config(config(0.5)).scheduling.selected).scorers
     assert isinstance(scorer, TtftScorer)
     assert scorer.kv_wait_factor == 0.5
-    bad = r"scheduling\.profiles\.p\[0\]: kv_wait_factor must be >= 0"
+    bad = r"scheduling\.profiles\.p\[0\]\.parameters\.kv_wait_factor: must be a number >= 0"
     with pytest.raises(ConfigError, match=bad):
         parse_config(config(-1.0))

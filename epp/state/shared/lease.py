@@ -103,6 +103,10 @@ class Leases:
         # answer (see the module docstring).
         self._owned: frozenset[str] | None = frozenset()
 
+    def set_ttl(self, ttl: float) -> None:
+        """A new lease lifetime (the scrape interval changed); renewals from now on use it."""
+        self._ttl_ms = max(1, round(ttl * 1000))
+
     def set_endpoints(self, addresses: Iterable[str]) -> None:
         """The endpoints to hold leases for (configuration changes take effect next tick)."""
         self._order = sorted(

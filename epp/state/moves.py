@@ -1,0 +1,66 @@
+"""Move what a pick taught the fleet state to the endpoint that actually served it.
+
+Envoy retries a failed attempt on epp's next fallback, so the endpoint that answers can differ
+from the one epp picked. Everything the pick recorded for the picked endpoint then describes a
+request it never ran: the in-flight ticket, the prefix blocks the approximate index now
+believes it caches, the session binding. The stream handler records the pick
+(:func:`recording` around :meth:`~epp.router.Router.route`) and, once the response names the
+endpoint that served, calls :func:`move_pick`. Scorer-private estimates (the TTFT scorer's
+prefill backlog, the precise index's speculative entries) are not moved: they expire by
+themselves within seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from epp.prefix.approximate import ApproximatePrefixIndex, Learned
+from epp.state.fleet import FleetState
+from epp.state.inflight import Ticket
+
+
+@dataclass(slots=True)
+class PickRecord:
+    """One pick's footprint in the fleet state."""
+
+    ticket: Ticket
+    session: str | None = None
+    learned: list[Learned] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return self.ticket.endpoint
+
+
+@contextmanager
+def recording(index: ApproximatePrefixIndex) -> Iterator[list[Learned]]:
+    """Collect the prefix insertions made inside the block (one synchronous decision)."""
+    journal: list[Learned] = []
+    index.journal = journal
+    try:
+        yield journal
+    finally:
+        index.journal = None
+
+
+def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) -> PickRecord:
+    """The pick's accounting, moved from ``record.endpoint`` to ``served``; returns the new
+    record (its ticket replaces the old one, which must not be released)."""
+    source = record.endpoint
+    if served == source:
+        return record
+    ticket = fleet.inflight.move(record.ticket, served)
+    learned = []
+    for item in record.learned:
+        if item.endpoint != source:
+            learned.append(item)
+            continue
+        fleet.prefix.retract(item)
+        with recording(fleet.prefix) as journal:
+            fleet.prefix.insert(served, item.hashes, item.capacity)
+        learned.extend(journal)
+    if record.session is not None:
+        fleet.sessions.move(record.session, source, served, now)
+    return PickRecord(ticket, record.session, learned)

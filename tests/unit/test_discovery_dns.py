@@ -1,0 +1,133 @@
+"""DNS discovery against a real DNS server on loopback whose answers change under it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from epp.config import ConfigError, parse_config
+from epp.discovery.dns import DnsSource
+from epp.discovery.spec import DnsSpec, parse_discovery
+from tests.helpers.dns_server import DnsServer
+
+INTERVAL = 0.2
+
+
+class Recorder:
+    """Collects published sets; ``wait_for`` returns how long until ``expected`` arrived."""
+
+    def __init__(self) -> None:
+        self.sets: list[frozenset[str]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, members: frozenset[str]) -> None:
+        self.sets.append(members)
+        self._changed.set()
+
+    async def wait_for(self, expected: set[str], within: float) -> float:
+        started = time.monotonic()
+        async with asyncio.timeout(within):
+            while not self.sets or self.sets[-1] != expected:
+                self._changed.clear()
+                await self._changed.wait()
+        return time.monotonic() - started
+
+
+@pytest.fixture
+def dns_server() -> Iterator[DnsServer]:
+    with DnsServer() as server:
+        yield server
+
+
+async def test_follows_added_and_removed_addresses_within_one_interval(
+    dns_server: DnsServer,
+) -> None:
+    dns_server.set("sim.test", ["127.0.0.2", "127.0.0.3"])
+    source = DnsSource(DnsSpec("sim.test", 8000, INTERVAL, ("127.0.0.1", dns_server.port)))
+    seen = Recorder()
+    task = asyncio.create_task(source.run(seen))
+    try:
+        await seen.wait_for({"127.0.0.2:8000", "127.0.0.3:8000"}, within=INTERVAL)
+        steps = [
+            ["127.0.0.2", "127.0.0.3", "127.0.0.4"],  # scaled up
+            ["127.0.0.4"],  # two gone
+            ["127.0.0.4", "::1"],  # AAAA records count too
+        ]
+        for ips in steps:
+            dns_server.set("sim.test", ips)
+            expected = {f"[{ip}]:8000" if ":" in ip else f"{ip}:8000" for ip in ips}
+            # One interval plus the lookup's own latency.
+            took = await seen.wait_for(expected, within=INTERVAL + 0.1)
+            assert took <= INTERVAL + 0.1
+        dns_server.set("sim.test", [])  # scaled to zero: the name disappears (NXDOMAIN)
+        await seen.wait_for(set(), within=INTERVAL + 0.1)
+    finally:
+        task.cancel()
+    # Only changes are published, never the same set twice in a row.
+    assert all(a != b for a, b in zip(seen.sets, seen.sets[1:], strict=False))
+
+
+async def test_unreachable_resolver_keeps_the_last_set(dns_server: DnsServer) -> None:
+    dns_server.set("sim.test", ["127.0.0.2"])
+    source = DnsSource(DnsSpec("sim.test", 8000, INTERVAL, ("127.0.0.1", dns_server.port)))
+    seen = Recorder()
+    task = asyncio.create_task(source.run(seen))
+    try:
+        await seen.wait_for({"127.0.0.2:8000"}, within=1.0)
+        dns_server.__exit__(None, None, None)  # the resolver goes away
+        await asyncio.sleep(3 * INTERVAL + 0.5)  # several failed lookups (each times out)
+        assert seen.sets == [frozenset({"127.0.0.2:8000"})]
+    finally:
+        task.cancel()
+
+
+async def test_system_resolver_reads_hosts_file() -> None:
+    # No resolver option: getaddrinfo, which answers "localhost" from /etc/hosts.
+    ips = await DnsSource(DnsSpec("localhost", 8000)).resolve()
+    assert "127.0.0.1" in ips
+
+
+def test_config_accepts_the_agreed_shape() -> None:
+    config = parse_config(
+        {
+            "models": {"m": {"pools": ["main", "gpu"]}},
+            "pools": {
+                "main": {"discovery": {"dns": {"name": "sim", "port": 8000, "interval": 1.0}}},
+                "gpu": {
+                    "discovery": {"kubernetes": {"pool_name": "vllm-pool", "namespace": "default"}}
+                },
+            },
+        }
+    )
+    assert config.pools == {"main": (), "gpu": ()}
+    assert config.discovery["main"] == DnsSpec("sim", 8000, 1.0)
+    assert parse_discovery({"dns": {"name": "sim", "port": 80, "resolver": "127.0.0.1:5353"}}) == (
+        DnsSpec("sim", 80, 1.0, ("127.0.0.1", 5353))
+    )
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        (
+            {"endpoints": ["127.0.0.1:1"], "discovery": {"dns": {"name": "a", "port": 1}}},
+            "pools.main: must give either endpoints or discovery",
+        ),
+        ({"discovery": {}}, "pools.main.discovery: must name exactly one source"),
+        ({"discovery": {"dns": {"name": "a"}}}, "dns.port: must be a port"),
+        ({"discovery": {"dns": {"name": "a", "port": 1, "interval": 0}}}, "dns.interval"),
+        ({"discovery": {"dns": {"name": "a", "port": 1, "resolver": "x"}}}, "dns.resolver"),
+        ({"discovery": {"dns": {"name": "a", "port": 1, "ttl": 3}}}, "dns.ttl: unknown key"),
+        ({"discovery": {"kubernetes": {"pool_name": "Bad_Name"}}}, "kubernetes.pool_name"),
+        (
+            {"discovery": {"dns": {"name": "a", "port": 1}, "kubernetes": {"pool_name": "p"}}},
+            "exactly one source",
+        ),
+    ],
+)
+def test_config_errors_name_the_key(pool: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"models": {"m": {"pools": ["main"]}}, "pools": {"main": pool}})

@@ -1,0 +1,75 @@
+"""The flow controller on a real event loop: held until room frees, cancellation, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from epp.admission.controller import FlowController
+from epp.admission.flow_queue import BandLimits, QueueLimits
+from epp.errors import RequestError
+
+
+async def _until_queued(flow: FlowController, n: int) -> None:
+    """Yield to the loop until ``n`` requests are held (the tasks run on the first yields)."""
+    for _ in range(100):
+        if flow.queued() == n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{flow.queued()} queued, expected {n}")
+
+
+def _controller(full: list[bool], capacity: int = 10, ttl: float = 30.0) -> FlowController:
+    return FlowController(
+        QueueLimits(100, BandLimits(capacity, ttl)), lambda _key, _sheddable: full[0]
+    )
+
+
+async def test_a_request_is_held_while_saturated_and_released_on_wake() -> None:
+    full = [True]
+    flow = _controller(full)
+    held = asyncio.create_task(flow.admit("m", 0, "f"))
+    await _until_queued(flow, 1)
+    # Several timer ticks pass: still saturated, so still held.
+    await asyncio.sleep(0.02)
+    assert not held.done()
+    full[0] = False
+    flow.wake()
+    await asyncio.wait_for(held, 1)
+    assert flow.queued() == 0
+
+
+async def test_room_means_no_queueing() -> None:
+    flow = _controller([False])
+    await asyncio.wait_for(flow.admit("m", 0, "f"), 0.1)
+    assert flow.queued() == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_is_never_released() -> None:
+    full = [True]
+    flow = _controller(full)
+    leaver = asyncio.create_task(flow.admit("m", 0, "leaver"))
+    stayer = asyncio.create_task(flow.admit("m", 0, "stayer"))
+    await _until_queued(flow, 2)
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    assert flow.queued() == 1
+    full[0] = False
+    flow.wake()
+    await asyncio.wait_for(stayer, 1)
+
+
+async def test_full_band_is_429_and_ttl_is_503() -> None:
+    flow = _controller([True], capacity=1, ttl=0.05)
+    held = asyncio.create_task(flow.admit("m", 0, "f"))
+    await _until_queued(flow, 1)
+    with pytest.raises(RequestError) as refused:
+        await flow.admit("m", 0, "f")
+    assert refused.value.status == 429
+    assert refused.value.headers["x-epp-request-dropped-reason"] == "rejected-saturated"
+    with pytest.raises(RequestError) as expired:
+        await asyncio.wait_for(held, 1)
+    assert expired.value.status == 503
+    assert int(expired.value.headers["retry-after"]) >= 1
