@@ -376,6 +376,7 @@ def build_trace(block_size: int = 32) -> list[Phase]:
     usage = [usage_prefix + _rand(rng, 20) for _ in range(2)]
     evict = [_rand(rng, 600) for _ in range(8)]
     preempt = [_rand(rng, 1000) for _ in range(4)]
+    lora_long = _rand(rng, 100)  # drawn last: the prompts above stay what they were
 
     chat: list[Req] = []
     messages = [{"role": "system", "content": SYSTEM}]
@@ -410,13 +411,23 @@ def build_trace(block_size: int = 32) -> list[Phase]:
         Phase(
             "lora_twice_then_base",
             [Req(lora_p, lora=True), Req(lora_p, lora=True, max_tokens=48), Req(lora_p)],
-            sample_metrics=True,
             before=reset_prefix_cache,
         ),
         Phase(
             "usage_two_sharing_480",
-            [Req(p, max_tokens=120) for p in usage],
+            # 480 tokens (~2 s of decode on the CPU model, not 0.5 s): the /metrics sampler must
+            # see both running even when a loaded machine slows each scrape to hundreds of ms
+            # (with 120 tokens, a run beside busy cores never saw them running).
+            [Req(p, max_tokens=480) for p in usage],
             concurrent=True,
+            timing_dependent=True,
+            sample_metrics=True,
+        ),
+        Phase(
+            # An adapter in flight long enough (~2 s of decode) for the /metrics sampler to see
+            # it on a loaded machine; the 48-token request above lasts ~0.2 s and was missed.
+            "lora_in_flight",
+            [Req(lora_long, lora=True, max_tokens=480)],
             timing_dependent=True,
             sample_metrics=True,
         ),
@@ -441,6 +452,7 @@ class PhaseResult:
     messages: list[EventMessage]
     timing_dependent: bool
     samples: list[EndpointMetrics] = field(default_factory=list)  # /metrics during the phase
+    sample_errors: list[str] = field(default_factory=list)  # scrapes that failed meanwhile
     usages: list[dict[str, Any]] = field(default_factory=list)  # the responses' usage blocks
 
 
@@ -512,11 +524,17 @@ def run_phase(target: Target, phase: Phase, events: EventCollector) -> PhaseResu
     start = wait_idle(target)
     events.take()  # nothing should be pending; drop stragglers of earlier phases
     samples: list[EndpointMetrics] = []
+    sample_errors: list[str] = []
     stop = threading.Event()
 
     def sampler() -> None:
+        # A scrape that fails must not end the sampling silently: a phase with no samples
+        # would then read as "never saw them running".
         while not stop.is_set():
-            samples.append(metrics(target))
+            try:
+                samples.append(metrics(target))
+            except OSError as exc:
+                sample_errors.append(repr(exc))
             time.sleep(0.03)
 
     thread = threading.Thread(target=sampler, daemon=True) if phase.sample_metrics else None
@@ -543,6 +561,7 @@ def run_phase(target: Target, phase: Phase, events: EventCollector) -> PhaseResu
         messages=events.take(),
         timing_dependent=phase.timing_dependent,
         samples=samples,
+        sample_errors=sample_errors,
         usages=usages,
     )
 

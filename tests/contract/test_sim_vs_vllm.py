@@ -134,8 +134,15 @@ def test_lora_requests_info_agrees(traces: tuple[TraceResult, TraceResult]) -> N
         assert latest.labels["running_lora_adapters"] == "", trace.target
         assert latest.labels["waiting_lora_adapters"] == "", trace.target
         assert {s.labels["max_lora"] for s in fam.samples} == {"2"}
-        busy = [m for m in trace.phase("lora_twice_then_base").samples if m.running_loras]
-        assert busy, f"{trace.target}: tiny-lora never seen in flight"
+        phase = trace.phase("lora_in_flight")
+        busy = [m for m in phase.samples if m.running_loras]
+        seen = sorted(
+            {(m.running, m.waiting, tuple(sorted(m.running_loras))) for m in phase.samples}
+        )
+        assert busy, (
+            f"{trace.target}: tiny-lora never seen in flight in {len(phase.samples)} samples "
+            f"(running, waiting, adapters seen: {seen}; failed scrapes: {phase.sample_errors[:3]})"
+        )
         for m in busy:
             assert m.running_loras == m.waiting_loras == {"tiny-lora"}, trace.target
             assert m.max_loras == 2
@@ -186,9 +193,13 @@ def test_kv_usage_counts_shared_blocks_once_and_is_zero_when_idle(
     blocks (never near the 32 of unshared prefixes); the sim's must be exact."""
     mins = []
     for t in traces:
-        samples = t.phase("usage_two_sharing_480").samples
-        both = [m.kv_usage for m in samples if m.running == 2]
-        assert both, f"{t.target}: never saw 2 running"
+        phase = t.phase("usage_two_sharing_480")
+        both = [m.kv_usage for m in phase.samples if m.running == 2]
+        seen = sorted({(m.running, m.waiting) for m in phase.samples})
+        assert both, (
+            f"{t.target}: never saw 2 running in {len(phase.samples)} samples "
+            f"(running, waiting seen: {seen}; failed scrapes: {phase.sample_errors[:3]})"
+        )
         mins.append(round(min(both) * 127))
         assert parse_vllm_metrics(t.metrics_text).kv_usage == 0.0, t.target
     real, sim = mins
@@ -372,8 +383,9 @@ def test_epp_metrics_parser_reads_the_real_page(traces: tuple[TraceResult, Trace
     assert m.max_loras == 2
     assert m.running_loras == m.waiting_loras == frozenset()
     # Under load the parser sees what the engine does (samples were parsed by it).
-    loaded = [s for s in real.phase("usage_two_sharing_480").samples if s.running]
-    assert loaded
+    phase = real.phase("usage_two_sharing_480")
+    loaded = [s for s in phase.samples if s.running]
+    assert loaded, (len(phase.samples), phase.sample_errors[:3])
     assert max(s.kv_usage for s in loaded) > 0.1
     assert all(0.0 <= s.kv_usage <= 1.0 for s in loaded)
     s = parse_vllm_metrics(sim.metrics_text)
