@@ -21,6 +21,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
+from epp.metrics.plugin_clock import Lap
 from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
@@ -28,6 +29,7 @@ from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
+from epp.tracing import Tracing
 
 log = logging.getLogger("epp.router")
 
@@ -46,6 +48,8 @@ class Router:
         self.flow = FlowController(QueueLimits(), self.pool_saturated)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Set by the server when the configuration turns tracing on (epp.tracing).
+        self.tracing: Tracing | None = None
 
     @property
     def config(self) -> Config:
@@ -110,12 +114,15 @@ class Router:
                 )
 
     def route(
-        self, request: InferenceRequest, subset: Sequence[str] | None = None
+        self,
+        request: InferenceRequest,
+        subset: Sequence[str] | None = None,
+        laps: list[Lap] | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
         The returned ticket counts the request as in flight on the chosen endpoint until it is
-        passed to :meth:`finish`.
+        passed to :meth:`finish`. ``laps`` (a traced request's) receives the plugins' timings.
         """
         started = time.perf_counter()
         config = self._config
@@ -151,6 +158,7 @@ class Router:
             cycle,
             1 + config.routing.fallbacks,
             explain,
+            laps,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints:
