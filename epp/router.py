@@ -86,6 +86,9 @@ class Router:
         :class:`~epp.errors.RequestError` when the queue refuses it. Route right after this
         returns (no await in between), so the dispatcher sees the request in flight."""
         if self._config.flow_control.mode == "queue" and request.model in self._candidates:
+            # Demand counts on arrival, before any wait: requests held for a pool with no
+            # ready replica are what must scale it from zero.
+            self._arrived(self._candidates[request.model])
             await self.flow.admit(request.model, request.priority, request.fairness_id)
 
     def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
@@ -143,7 +146,8 @@ class Router:
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
-        self._arrived(candidates)
+        if config.flow_control.mode != "queue":  # else counted by admit
+            self._arrived(addresses)
         cycle = Cycle(snapshot, self.fleet, config.weights)
         if (
             config.flow_control.mode == "shed"
@@ -189,10 +193,11 @@ class Router:
         while len(self.decisions) > RECENT_DECISIONS:
             self.decisions.popitem(last=False)
 
-    def _arrived(self, candidates: Sequence[EndpointState]) -> None:
-        """Count the request as demand on its pools, whether or not it can be served now:
-        refused for lack of a ready replica, it is the demand that should scale one up."""
-        pools = {c.pool for c in candidates}
+    def _arrived(self, addresses: Sequence[str]) -> None:
+        """Count the request as demand on the pools of its candidate ``addresses``, whether
+        or not it can be served now: refused or held for lack of a ready replica, it is the
+        demand that should scale one up."""
+        pools = {self._pools[a] for a in addresses}
         for pool in pools:
             self.demand.arrived(pool, 1.0 / len(pools))
 
