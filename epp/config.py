@@ -20,6 +20,7 @@ Shape (every section optional except ``models`` and ``pools``)::
     store:    {backend: memory|redis, redis_url, key_prefix}
     health:   {enabled, consecutive_failures, error_rate, window_seconds, min_requests, ...}
               (passive health, docs/health.md)
+    tracing:  {endpoint, sample_ratio, service_name}  (OpenTelemetry, docs/tracing.md)
 
 Validation reads the whole file and reports every problem, each with its key path
 (``scheduling.plugins[0].parameters.tokens_per_request: must be an integer >= 1, got 1.5``), in
@@ -52,6 +53,7 @@ from epp.scheduling.params import parse_params
 from epp.state.health import HealthConfig
 from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
 from epp.tls import ClientTls, ServerTls, client_tls_problems, server_tls_problems
+from epp.tracing import TracingConfig
 
 T = TypeVar("T")
 
@@ -74,7 +76,7 @@ class Reload(enum.Enum):
 
 # Every top-level section and what a reload does with it; the reload logic (epp.server) reads
 # only this table. Restart-only sections are bound when the process starts: listening sockets
-# (server) and the state store's connections (store).
+# (server), the state store's connections (store) and the span exporter's thread (tracing).
 SECTIONS: Mapping[str, Reload] = {
     "models": Reload.APPLIED,
     "pools": Reload.APPLIED,
@@ -87,6 +89,7 @@ SECTIONS: Mapping[str, Reload] = {
     "scheduling": Reload.APPLIED,
     "store": Reload.RESTART,
     "health": Reload.APPLIED,
+    "tracing": Reload.RESTART,
 }
 
 # The profile used when the file names none. Cache affinity and load meet in one unit in the
@@ -215,6 +218,7 @@ class Config:
     flow_control: FlowControl = field(default_factory=lambda: FlowControl())
     store: StoreConfig = field(default_factory=StoreConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # Relative capacity of endpoints (default 1.0): a replica of weight 2 takes twice the work.
     weights: Mapping[str, float] = field(default_factory=dict)
     # ZMQ address of each endpoint's vLLM KV-event publisher (tcp://host:port), where known.
@@ -275,6 +279,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         flow_control=_flow_control(admission),
         store=_store(root.child("store")),
         health=_health(root.child("health")),
+        tracing=_tracing(root.child("tracing")),
         weights=pools.weights,
         kv_events=pools.kv_events,
         discovery=pools.discovery,
@@ -756,6 +761,27 @@ def _health(node: _Node) -> HealthConfig:
         trial_interval_seconds=node.real("trial_interval_seconds", d.trial_interval_seconds, ge=0),
         trial_timeout_seconds=node.real("trial_timeout_seconds", d.trial_timeout_seconds),
     )
+
+
+def _tracing(node: _Node) -> TracingConfig:
+    node.only("endpoint", "sample_ratio", "service_name")
+    d = TracingConfig()
+    endpoint = node.get("endpoint", str, d.endpoint)
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        node.at("endpoint").report(
+            f"must be the collector's OTLP/HTTP traces URL (http://host:4318/v1/traces), "
+            f"got {endpoint!r}"
+        )
+        endpoint = d.endpoint
+    ratio = node.real("sample_ratio", d.sample_ratio, ge=0)
+    if ratio > 1:
+        node.at("sample_ratio").report(f"must be a fraction in [0, 1], got {ratio!r}")
+        ratio = d.sample_ratio
+    service = node.get("service_name", str, d.service_name)
+    if not service:
+        node.at("service_name").report("must not be empty")
+        service = d.service_name
+    return TracingConfig(endpoint, ratio, service)
 
 
 def _scheduling(node: _Node) -> SchedulingConfig:

@@ -21,6 +21,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
+from epp.metrics.plugin_clock import Lap
 from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
@@ -28,6 +29,7 @@ from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
+from epp.tracing import Tracing
 
 log = logging.getLogger("epp.router")
 
@@ -46,6 +48,8 @@ class Router:
         self.flow = FlowController(QueueLimits(), self.pool_saturated)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Set by the server when the configuration turns tracing on (epp.tracing).
+        self.tracing: Tracing | None = None
 
     @property
     def config(self) -> Config:
@@ -82,6 +86,9 @@ class Router:
         :class:`~epp.errors.RequestError` when the queue refuses it. Route right after this
         returns (no await in between), so the dispatcher sees the request in flight."""
         if self._config.flow_control.mode == "queue" and request.model in self._candidates:
+            # Demand counts on arrival, before any wait: requests held for a pool with no
+            # ready replica are what must scale it from zero.
+            self._arrived(self._candidates[request.model])
             await self.flow.admit(request.model, request.priority, request.fairness_id)
 
     def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
@@ -110,12 +117,15 @@ class Router:
                 )
 
     def route(
-        self, request: InferenceRequest, subset: Sequence[str] | None = None
+        self,
+        request: InferenceRequest,
+        subset: Sequence[str] | None = None,
+        laps: list[Lap] | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
         The returned ticket counts the request as in flight on the chosen endpoint until it is
-        passed to :meth:`finish`.
+        passed to :meth:`finish`. ``laps`` (a traced request's) receives the plugins' timings.
         """
         started = time.perf_counter()
         config = self._config
@@ -136,7 +146,8 @@ class Router:
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
-        self._arrived(candidates)
+        if config.flow_control.mode != "queue":  # else counted by admit
+            self._arrived(addresses)
         cycle = Cycle(snapshot, self.fleet, config.weights)
         if (
             config.flow_control.mode == "shed"
@@ -151,6 +162,7 @@ class Router:
             cycle,
             1 + config.routing.fallbacks,
             explain,
+            laps,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints:
@@ -181,10 +193,11 @@ class Router:
         while len(self.decisions) > RECENT_DECISIONS:
             self.decisions.popitem(last=False)
 
-    def _arrived(self, candidates: Sequence[EndpointState]) -> None:
-        """Count the request as demand on its pools, whether or not it can be served now:
-        refused for lack of a ready replica, it is the demand that should scale one up."""
-        pools = {c.pool for c in candidates}
+    def _arrived(self, addresses: Sequence[str]) -> None:
+        """Count the request as demand on the pools of its candidate ``addresses``, whether
+        or not it can be served now: refused or held for lack of a ready replica, it is the
+        demand that should scale one up."""
+        pools = {self._pools[a] for a in addresses}
         for pool in pools:
             self.demand.arrived(pool, 1.0 / len(pools))
 

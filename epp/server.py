@@ -42,6 +42,7 @@ from epp.state.shared.connect import hash_tag
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import SharedState
 from epp.tls import client_context, grpc_credentials, server_context
+from epp.tracing import Tracing
 
 log = logging.getLogger("epp.server")
 
@@ -149,6 +150,8 @@ class Server:
         self._apply_prefix_sources(config)
         self._apply_trust(config)
         await self.kv_events.start()
+        if config.tracing.enabled:
+            self.router.tracing = Tracing(config.tracing)
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
@@ -217,6 +220,9 @@ class Server:
         if self.shared is not None:
             await self.shared.stop()
         await self.store.stop()
+        if self.router.tracing is not None:
+            # Exports what is still queued (blocking I/O: off the event loop).
+            await asyncio.to_thread(self.router.tracing.shutdown)
 
     async def _tick(self) -> None:
         """Refresh health often; look for a changed config file about once a second."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from epp.admission.flow_queue import Dropped, FlowQueue, QueueLimits
 from epp.errors import RequestError
-from epp.observability import FLOW_QUEUE_DURATION, FLOW_QUEUE_SIZE
+from epp.observability import FLOW_DROPPED, FLOW_QUEUE_DURATION, FLOW_QUEUE_SIZE
 
 # How often a non-empty queue re-checks saturation without a completion to wake it (scraped
 # metrics change between completions too).
@@ -75,9 +75,10 @@ class FlowController:
         entry, dropped = queue.push(waiter, priority, flow, started)
         if entry is None:
             (refused,) = dropped
+            FLOW_DROPPED.labels(key, refused.reason).inc()
             raise _refusal(refused)
         for d in dropped:  # sheddable entries this arrival displaced
-            _refuse(d)
+            _refuse(key, d)
         FLOW_QUEUE_SIZE.labels(key, str(priority), flow).inc()
         self._ensure_running()
         self._wake.set()
@@ -114,7 +115,7 @@ class FlowController:
     async def _dispatch(self) -> None:
         for key, queue in list(self._queues.items()):
             for d in queue.expire(self._clock()):
-                _refuse(d)
+                _refuse(key, d)
             while (head := queue.head_priority()) is not None and not self._saturated(
                 key, head < 0
             ):
@@ -149,7 +150,8 @@ def _refusal(dropped: Dropped[_Waiter]) -> RequestError:
     )
 
 
-def _refuse(dropped: Dropped[_Waiter]) -> None:
+def _refuse(key: str, dropped: Dropped[_Waiter]) -> None:
+    FLOW_DROPPED.labels(key, dropped.reason).inc()
     if not dropped.entry.payload.done():
         dropped.entry.payload.set_exception(_refusal(dropped))
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -12,6 +13,7 @@ from epp._proto import ext_proc_pb2, ext_proc_pb2_grpc
 from epp.extproc import responses
 from epp.extproc.stream import StreamHandler
 from epp.observability import IN_FLIGHT
+from epp.request import InferenceRequest
 from epp.router import Router
 
 log = logging.getLogger("epp.extproc")
@@ -37,15 +39,7 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 try:
                     answers = handler.handle(message)
                     if handler.pending is not None:
-                        await self._router.prepare(handler.pending.request)
-                        try:
-                            # Held here while the pool is saturated; a client that goes away
-                            # cancels this coroutine, which takes it out of the queue.
-                            await self._router.admit(handler.pending.request)
-                        except errors.RequestError as error:
-                            answers = handler.refuse_pending(error)
-                        else:
-                            answers = handler.resume()
+                        answers = await self._admit(handler, handler.pending.request)
                 except Exception:
                     # A bug must cost one request a clear 500, never the process or a hang.
                     log.exception("unexpected error handling an ext_proc message")
@@ -61,3 +55,30 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
             if handler.ticket is not None:
                 self._router.finish(handler.ticket)
             IN_FLIGHT.dec()
+            handler.end_trace()
+
+    async def _admit(
+        self, handler: StreamHandler, request: InferenceRequest
+    ) -> Sequence[ext_proc_pb2.ProcessingResponse]:
+        """Await the request's preparation and flow control, then route or refuse it."""
+        trace = handler.trace
+        started = time.perf_counter() if trace is not None else 0.0
+        await self._router.prepare(request)
+        refusal = None
+        try:
+            # Held here while the pool is saturated; a client that goes away cancels this
+            # coroutine, which takes it out of the queue.
+            await self._router.admit(request)
+        except errors.RequestError as error:
+            refusal = error
+        if trace is not None:
+            trace.step(
+                "epp.admission",
+                started,
+                {
+                    "epp.admission.mode": self._router.config.flow_control.mode,
+                    "epp.priority": request.priority,
+                },
+                None if refusal is None else refusal.message,
+            )
+        return handler.resume() if refusal is None else handler.refuse_pending(refusal)

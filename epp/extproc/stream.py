@@ -32,12 +32,13 @@ from epp.errors import RequestError
 from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
-from epp.extproc.response_stream import ResponseObserver
+from epp.extproc.response_stream import Outcome, ResponseObserver
 from epp.observability import MOVED, OBJECTIVE_REQUESTS, REQUESTS, RESULTS, refusal_reason
 from epp.request import InferenceRequest, api_for_path, check_headers, load_body, parse_request
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, move_pick, recording
+from epp.tracing import RequestTrace
 from epp.wire import (
     CONTROL_HEADERS,
     DESTINATION,
@@ -83,6 +84,7 @@ class StreamHandler:
         "_started",
         "_strip_usage",
         "_subset",
+        "_trace",
         "pending",
         "pick",
     )
@@ -108,6 +110,12 @@ class StreamHandler:
         self.pick: PickRecord | None = None
         # A parsed request waiting for the servicer to await Router.prepare.
         self.pending: Pending | None = None
+        # Only for a sampled request while tracing is configured (epp.tracing).
+        self._trace: RequestTrace | None = None
+
+    @property
+    def trace(self) -> RequestTrace | None:
+        return self._trace
 
     @property
     def ticket(self) -> Ticket | None:
@@ -138,6 +146,9 @@ class StreamHandler:
         self._started = self._clock()
         _read_headers(message.request_headers, self._headers)
         self._subset = _subset_hint(message)
+        tracing = self._router.tracing
+        if tracing is not None:
+            self._trace = tracing.begin(self._headers)
         if message.request_headers.end_of_stream:
             self._done = True
             return (self._header_only(),)
@@ -185,6 +196,8 @@ class StreamHandler:
             judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
             self.pick = move_pick(fleet, self.pick, served, now)
             MOVED.inc()
+        if self._trace is not None:
+            self._trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:
             self.close(complete=True)
         return (responses.CONTINUE_RESPONSE_HEADERS,)
@@ -223,6 +236,16 @@ class StreamHandler:
         if endpoint is not None:
             fleet = self._router.fleet
             judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time())
+        if self._trace is not None:
+            self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
+
+    def end_trace(self) -> None:
+        """The stream is over: build and export the request's spans (when traced). Called
+        by the servicer after the last answer went out, so it never delays one."""
+        trace = self._trace
+        if trace is not None:
+            self._trace = None
+            trace.end()
 
     def _objective(self, request: InferenceRequest) -> str:
         """The request's objective when it is a configured one ('' otherwise): bounded."""
@@ -239,6 +262,8 @@ class StreamHandler:
         body = b"".join(self._body)
         self._body.clear()
         headers = self._headers
+        trace = self._trace
+        started = time.perf_counter() if trace is not None else 0.0
         try:
             config = self._router.config
             request = parse_request(
@@ -246,7 +271,21 @@ class StreamHandler:
             )
             rewritten = self._ask_for_usage(request, body)
         except RequestError as error:
+            if trace is not None:
+                trace.step("epp.parse", started, {"epp.body_bytes": len(body)}, error.message)
             return (self._refuse(error), *after)
+        if trace is not None:
+            trace.attributes["gen_ai.request.model"] = request.model
+            trace.attributes["epp.request_id"] = request.request_id
+            trace.step(
+                "epp.parse",
+                started,
+                {
+                    "epp.body_bytes": len(body),
+                    "epp.request.stream": request.stream,
+                    "epp.prompt_tokens_estimate": request.prompt_tokens(),
+                },
+            )
         if rewritten is not None:
             body = rewritten
         if self._router.needs_preparation():
@@ -299,11 +338,25 @@ class StreamHandler:
         self, request: InferenceRequest, body: bytes, after: Sequence[Response], rewritten: bool
     ) -> Sequence[Response]:
         fleet = self._router.fleet
+        trace = self._trace
+        started = time.perf_counter() if trace is not None else 0.0
         try:
             with recording(fleet.prefix) as learned:
-                decision, ticket = self._router.route(request, self._subset)
+                decision, ticket = self._router.route(
+                    request, self._subset, None if trace is None else trace.laps
+                )
         except RequestError as error:
+            if trace is not None:
+                trace.step("epp.schedule", started, self._profile_attributes(), error.message)
             return (self._refuse(error), *after)
+        if trace is not None:
+            endpoints = [e.address for e in decision.endpoints]
+            trace.attributes["epp.endpoint"] = endpoints[0]
+            trace.step(
+                "epp.schedule",
+                started,
+                {**self._profile_attributes(), "epp.endpoints": endpoints},
+            )
         self.pick = PickRecord(ticket, request.session, learned)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
@@ -325,6 +378,9 @@ class StreamHandler:
             *after,
         )
 
+    def _profile_attributes(self) -> dict[str, str]:
+        return {"epp.profile": self._router.config.scheduling.profile}
+
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
         method = self._headers.get(":method", "GET")
@@ -332,6 +388,8 @@ class StreamHandler:
         if method == "GET" and path.endswith("/v1/models"):
             REQUESTS.labels("", "models").inc()
             RESULTS.labels("ok").inc()
+            if self._trace is not None:
+                self._trace.answered(200)
             return responses.immediate(200, self._router.models_body())
         return self._refuse(
             errors.bad_request(
@@ -343,10 +401,33 @@ class StreamHandler:
         )
 
     def _refuse(self, error: RequestError) -> Response:
+        if self._trace is not None:
+            self._trace.answered(error.status, error.message)
         REQUESTS.labels("", str(error.status)).inc()
         RESULTS.labels(refusal_reason(error.status)).inc()
         log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
         return responses.error_response(error)
+
+
+def _span_attributes(outcome: Outcome) -> dict[str, object]:
+    """What a traced response's span shows (epp.tracing)."""
+    attributes: dict[str, object] = {
+        "http.response.status_code": outcome.status,
+        "epp.response.complete": outcome.complete,
+        "epp.response.streamed": outcome.streamed,
+    }
+    optional = {
+        "epp.served_endpoint": outcome.served,
+        "epp.ttft_seconds": outcome.ttft,
+        "epp.tpot_seconds": outcome.tpot,
+    }
+    usage = outcome.usage
+    if usage is not None:
+        optional["gen_ai.usage.input_tokens"] = usage.prompt
+        optional["gen_ai.usage.output_tokens"] = usage.completion
+        optional["epp.usage.cached_tokens"] = usage.cached
+    attributes.update((k, v) for k, v in optional.items() if v is not None)
+    return attributes
 
 
 def _read_headers(message: ext_proc_pb2.HttpHeaders, into: dict[str, str]) -> dict[str, str]:

@@ -30,6 +30,10 @@ class Plugin(Protocol):
     def name(self) -> str: ...
 
 
+# One plugin's share of a traced scheduling run: extension point, plugin, start and end
+# (perf_counter), recorded only while tracing (epp.tracing).
+Lap = tuple[str, Plugin, float, float]
+
 BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1)
 
 
@@ -92,19 +96,29 @@ REGISTRY.register(TIMING)
 class PluginClock:
     """Laps of one profile's runs (one clock per profile; runs never interleave)."""
 
-    __slots__ = ("_last", "_started", "_tallies")
+    __slots__ = ("_laps", "_last", "_started", "_tallies")
 
     def __init__(self, plugins: Iterable[tuple[str, Plugin]]) -> None:
-        self._tallies = {id(plugin): TIMING.tally(point, plugin) for point, plugin in plugins}
+        # By extension point first: one plugin may run at several (a prefix scorer produces,
+        # scores and records its pick), and each lap belongs to the point it ran at.
+        self._tallies: dict[str, dict[int, Tally]] = {}
+        for point, plugin in plugins:
+            self._tallies.setdefault(point, {})[id(plugin)] = TIMING.tally(point, plugin)
         self._started = self._last = 0.0
+        self._laps: list[Lap] | None = None
 
-    def start(self) -> None:
+    def start(self, laps: list[Lap] | None = None) -> None:
+        """A run begins; with ``laps`` (a traced request), every lap is also appended there."""
+        self._laps = laps
         self._started = self._last = time.perf_counter()
 
-    def lap(self, plugin: Plugin) -> None:
-        """``plugin`` just finished: its share is the time since the previous lap."""
+    def lap(self, point: str, plugin: Plugin) -> None:
+        """``plugin`` just finished at extension ``point``: its share is the time since the
+        previous lap."""
         now = time.perf_counter()
-        self._tallies[id(plugin)].add(now - self._last)
+        self._tallies[point][id(plugin)].add(now - self._last)
+        if self._laps is not None:
+            self._laps.append((point, plugin, self._last, now))
         self._last = now
 
     def mark(self) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from epp.metrics.plugin_clock import PluginClock
+from epp.metrics.plugin_clock import Lap, PluginClock
 from epp.request import InferenceRequest
 from epp.scheduling.data import DataKey, Derived, Input
 from epp.scheduling.params import NoParams, Params
@@ -215,7 +215,7 @@ class Profile:
         """The data step: every producer once, in dependency order, then derived keys."""
         for producer in self.producers:
             producer.produce(request, candidates, cycle)
-            self.clock.lap(producer)
+            self.clock.lap("producer", producer)
         for rule in self.derived:
             cycle.put(rule.key, rule.compute(cycle))
         self.clock.mark()
@@ -227,13 +227,16 @@ class Profile:
         cycle: Cycle,
         count: int,
         explain: bool = False,
+        laps: list[Lap] | None = None,
     ) -> Decision:
+        """Filters, scorers, picker and post-pick hooks on ``candidates``; ``laps`` (a traced
+        request's) receives each plugin's start and end."""
         clock = self.clock
-        clock.start()
+        clock.start(laps)
         self.produce(request, candidates, cycle)
         for f in self.filters:
             candidates = f.filter(request, candidates, cycle)
-            clock.lap(f)
+            clock.lap("filter", f)
             if not candidates:
                 clock.stop()
                 return Decision([], {"filtered-out-by": {f.name: 0.0}} if explain else None)
@@ -248,15 +251,15 @@ class Profile:
             if breakdown is not None:
                 for c, s in zip(candidates, scores, strict=True):
                     breakdown[c.address][scorer.name] = round(weight * s, 4)
-            clock.lap(scorer)
+            clock.lap("scorer", scorer)
         if breakdown is not None:
             for c, t in zip(candidates, totals, strict=True):
                 breakdown[c.address]["total"] = round(t, 4)
         chosen = self.picker.pick(candidates, totals, count)
-        clock.lap(self.picker)
+        clock.lap("picker", self.picker)
         if chosen:
             for hook in self.post_pick:
                 hook.on_pick(request, chosen[0], cycle)
-                clock.lap(hook)
+                clock.lap("post_pick", hook)
         clock.stop()
         return Decision(chosen, breakdown)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
+from prometheus_client import REGISTRY
 
 from epp.admission.controller import FlowController
 from epp.admission.flow_queue import BandLimits, QueueLimits
+from epp.config import FlowControl
 from epp.errors import RequestError
+from epp.request import InferenceRequest
+from tests.unit.test_stream import make_router
 
 
 async def _until_queued(flow: FlowController, n: int) -> None:
@@ -73,3 +78,41 @@ async def test_full_band_is_429_and_ttl_is_503() -> None:
         await asyncio.wait_for(held, 1)
     assert expired.value.status == 503
     assert int(expired.value.headers["retry-after"]) >= 1
+
+
+def _dropped(reason: str) -> float:
+    labels = {"inference_pool": "m", "reason": reason}
+    return REGISTRY.get_sample_value("epp_flow_control_requests_dropped_total", labels) or 0.0
+
+
+async def test_every_drop_is_counted_by_its_reason() -> None:
+    before = {r: _dropped(r) for r in ("rejected-saturated", "rejected-ttl-expired")}
+    flow = _controller([True], capacity=1, ttl=0.05)
+    held = asyncio.create_task(flow.admit("m", 0, "f"))
+    await _until_queued(flow, 1)
+    with pytest.raises(RequestError):
+        await flow.admit("m", 0, "f")
+    with pytest.raises(RequestError):
+        await asyncio.wait_for(held, 1)
+    assert {r: _dropped(r) - n for r, n in before.items()} == {
+        "rejected-saturated": 1,
+        "rejected-ttl-expired": 1,
+    }
+
+
+async def test_a_request_held_for_an_empty_pool_asks_for_a_replica() -> None:
+    """Scale from zero with flow control on: the held request is demand while it waits (it
+    never reaches the scheduler, which counts the others)."""
+    router = await make_router(ready=())
+    router.config = dataclasses.replace(
+        router.config, flow_control=FlowControl("queue", QueueLimits(10, BandLimits(10, 0.05)))
+    )
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hi")
+    held = asyncio.create_task(router.admit(request))
+    await _until_queued(router.flow, 1)
+    assert router.demand.signal("main", ready=0).desired_replicas == 1
+    # Still demand once the wait is over (no replica came): the TTL refuses it.
+    with pytest.raises(RequestError) as expired:
+        await asyncio.wait_for(held, 5)
+    assert expired.value.status == 503
+    assert router.demand.signal("main", ready=0).desired_replicas == 1

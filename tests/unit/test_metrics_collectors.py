@@ -7,9 +7,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.metrics.demand import PoolDemand
-from epp.metrics.plugin_clock import TIMING
+from epp.metrics.plugin_clock import TIMING, Lap
 from epp.metrics.pool_gauges import PoolGauges
 from epp.scheduling.scorers.load import InflightLoadParams
+from epp.scheduling.scorers.prefix import PrefixParams
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from tests.unit.scheduling.common import cycle, ep, profile_of, req
 
@@ -84,3 +85,30 @@ def test_every_plugin_of_a_run_is_timed_once() -> None:
     )
     assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1]
     assert _count("llm_d_epp_scheduler_e2e_duration_seconds_sum") > 0
+
+
+def test_a_plugin_at_several_extension_points_is_timed_at_each() -> None:
+    """The prefix scorer produces hashes, scores and records its pick: three laps, each
+    counted under its own extension point (not all under the last one registered)."""
+    profile = profile_of(("prefix-cache-scorer", PrefixParams(), 1.0))
+    points = ("producer", "scorer", "post_pick")
+
+    def counts() -> list[float]:
+        return [
+            _count(
+                "llm_d_epp_plugin_duration_seconds_count",
+                extension_point=point,
+                plugin_name="prefix-cache-scorer",
+                plugin_type="prefix-cache-scorer",
+            )
+            for point in points
+        ]
+
+    before = counts()
+    laps: list[Lap] = []
+    profile.run(req(), [ep("a"), ep("b")], cycle(), 1, laps=laps)
+    assert [b - a for a, b in zip(before, counts(), strict=True)] == [1, 1, 1]
+    # A traced run hands the same laps to its trace, in order, with their points.
+    prefix = [point for point, plugin, _, _ in laps if plugin.name == "prefix-cache-scorer"]
+    assert prefix == list(points)
+    assert all(start <= end for _, _, start, end in laps)
