@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
@@ -34,7 +35,7 @@ from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
 from epp.extproc.response_stream import ResponseObserver
 from epp.observability import MOVED, OBJECTIVE_REQUESTS, REQUESTS, RESULTS, refusal_reason
-from epp.request import InferenceRequest, api_for_path, check_headers, load_body, parse_request
+from epp.request import InferenceRequest, api_for_path, check_headers, parse_decoded
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, move_pick, recording
@@ -61,7 +62,8 @@ class Pending:
     """A parsed request held until the servicer has awaited its preparation."""
 
     request: InferenceRequest
-    body: bytes
+    # The body as it will be forwarded: the chunks received, or the rewritten body.
+    chunks: Sequence[bytes]
     after: tuple[Response, ...]
     rewritten: bool
 
@@ -153,9 +155,11 @@ class StreamHandler:
         if self._done:
             # Envoy may deliver the end-of-stream chunk twice for ~1 MB bodies: ignore repeats.
             return ()
-        if body.body:
-            self._body.append(body.body)
-            self._body_size += len(body.body)
+        # Each read of a bytes field copies it out of the message: read the chunk once.
+        chunk = body.body
+        if chunk:
+            self._body.append(chunk)
+            self._body_size += len(chunk)
             limit = self._router.config.routing.max_body_bytes
             if self._body_size > limit:
                 self._done = True
@@ -192,9 +196,11 @@ class StreamHandler:
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
         observer = self._observer
         forward = None
+        chunk = body.body  # one read: each copies the bytes out of the message
+        end = body.end_of_stream
         if observer is not None:
-            forward = observer.on_body(body.body, self._clock(), body.end_of_stream)
-            if body.end_of_stream or observer.body_complete:
+            forward = observer.on_body(chunk, self._clock(), end)
+            if end or observer.body_complete:
                 self.close(complete=True)
         if not self._response_full_duplex:
             if forward is None:
@@ -202,8 +208,9 @@ class StreamHandler:
             return (responses.replace_response_body(forward),)
         # Full-duplex responses must be echoed chunk by chunk (an empty one still carries the
         # end of stream).
-        chunk = body.body if forward is None else forward
-        return tuple(responses.body_chunks(chunk, body.end_of_stream, response=True))
+        return tuple(
+            responses.body_chunks(chunk if forward is None else forward, end, response=True)
+        )
 
     def close(self, complete: bool = False) -> None:
         """The response ended (``complete``) or its stream closed: record what it showed.
@@ -236,25 +243,27 @@ class StreamHandler:
         both, then calls :meth:`resume` or :meth:`refuse_pending`); until then the stream is
         simply not answered. ``after`` follows the routing answer."""
         self._done = True
-        body = b"".join(self._body)
-        self._body.clear()
+        # The chunks as they arrived are what a full-duplex answer streams back (no copies);
+        # joined for parsing (one chunk, always so when buffered, is the body itself).
+        chunks, self._body = self._body, []
+        body = b"".join(chunks)
         headers = self._headers
         try:
             config = self._router.config
-            request = parse_request(
+            request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, config.request, config.models
             )
-            rewritten = self._ask_for_usage(request, body)
+            rewritten = self._ask_for_usage(request, data)
         except RequestError as error:
             return (self._refuse(error), *after)
         if rewritten is not None:
-            body = rewritten
+            chunks = [rewritten]
         if self._router.needs_preparation():
-            self.pending = Pending(request, body, tuple(after), rewritten is not None)
+            self.pending = Pending(request, chunks, tuple(after), rewritten is not None)
             return ()
-        return self._route(request, body, after, rewritten is not None)
+        return self._route(request, chunks, after, rewritten is not None)
 
-    def _ask_for_usage(self, request: InferenceRequest, body: bytes) -> bytes | None:
+    def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
         """With ``routing.inject_stream_usage``, a streaming request that did not ask for
         usage gets ``stream_options.include_usage`` (the new body is returned) and the usage
         chunk it brings is later removed from what the client receives."""
@@ -264,7 +273,6 @@ class StreamHandler:
             and request.api in _USAGE_OPTION_APIS
         ):
             return None
-        data = load_body(body)  # parse_request accepted it
         options = data.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             return None
@@ -293,11 +301,17 @@ class StreamHandler:
         if pending is None:
             return ()
         self.pending = None
-        return self._route(pending.request, pending.body, pending.after, pending.rewritten)
+        return self._route(pending.request, pending.chunks, pending.after, pending.rewritten)
 
     def _route(
-        self, request: InferenceRequest, body: bytes, after: Sequence[Response], rewritten: bool
+        self,
+        request: InferenceRequest,
+        chunks: Sequence[bytes],
+        after: Sequence[Response],
+        rewritten: bool,
     ) -> Sequence[Response]:
+        """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
+        rewritten body (the only chunk then) in buffered mode."""
         fleet = self._router.fleet
         try:
             with recording(fleet.prefix) as learned:
@@ -315,13 +329,14 @@ class StreamHandler:
         if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
+            size = sum(map(len, chunks))
             return (
-                responses.route_in_headers(destination, remove, len(body), scores),
-                *responses.body_chunks(body),
+                responses.route_in_headers(destination, remove, size, scores),
+                *responses.stream_back(chunks),
                 *after,
             )
         return (
-            responses.route_in_body(destination, remove, scores, body if rewritten else None),
+            responses.route_in_body(destination, remove, scores, chunks[0] if rewritten else None),
             *after,
         )
 
