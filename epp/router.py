@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from epp import errors
@@ -110,12 +110,16 @@ class Router:
                 )
 
     def route(
-        self, request: InferenceRequest, subset: Sequence[str] | None = None
+        self,
+        request: InferenceRequest,
+        subset: Sequence[str] | None = None,
+        defer: list[Callable[[], None]] | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
         The returned ticket counts the request as in flight on the chosen endpoint until it is
-        passed to :meth:`finish`.
+        passed to :meth:`finish`. With ``defer``, the profile's post-pick bookkeeping (prefix
+        index, session binding) is appended to it instead of run (:meth:`Profile.run`).
         """
         started = time.perf_counter()
         config = self._config
@@ -151,6 +155,7 @@ class Router:
             cycle,
             1 + config.routing.fallbacks,
             explain,
+            defer,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints:

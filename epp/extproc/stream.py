@@ -75,6 +75,7 @@ class StreamHandler:
         "_body",
         "_body_size",
         "_clock",
+        "_deferred",
         "_done",
         "_full_duplex",
         "_headers",
@@ -101,6 +102,8 @@ class StreamHandler:
         self._response_full_duplex = False
         self._subset: list[str] | None = None
         self._done = False
+        # The pick's bookkeeping, run by settle() once the routing answer is out.
+        self._deferred: list[Callable[[], None]] = []
         self._request: InferenceRequest | None = None
         # epp added stream_options.include_usage: hide the usage chunk from the client.
         self._strip_usage = False
@@ -212,6 +215,23 @@ class StreamHandler:
             responses.body_chunks(chunk if forward is None else forward, end, response=True)
         )
 
+    def settle(self) -> None:
+        """Run the pick's bookkeeping held back from the answer (post-pick hooks: prefix
+        index insertions, session binding), recording what it learned in :attr:`pick`. The
+        servicer calls it once the answers of a message are sent; idempotent."""
+        work, self._deferred = self._deferred, []
+        if not work:
+            return
+        with recording(self._router.fleet.prefix) as learned:
+            for task in work:
+                try:
+                    task()
+                except Exception:
+                    # What later decisions would have learned is lost; this request is not.
+                    log.exception("post-pick bookkeeping failed")
+        if self.pick is not None:
+            self.pick.learned.extend(learned)
+
     def close(self, complete: bool = False) -> None:
         """The response ended (``complete``) or its stream closed: record what it showed.
         Idempotent; the servicer calls it when the stream ends for any reason."""
@@ -314,11 +334,10 @@ class StreamHandler:
         rewritten body (the only chunk then) in buffered mode."""
         fleet = self._router.fleet
         try:
-            with recording(fleet.prefix) as learned:
-                decision, ticket = self._router.route(request, self._subset)
+            decision, ticket = self._router.route(request, self._subset, self._deferred)
         except RequestError as error:
             return (self._refuse(error), *after)
-        self.pick = PickRecord(ticket, request.session, learned)
+        self.pick = PickRecord(ticket, request.session)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
         OBJECTIVE_REQUESTS.labels(request.model, request.model).inc()

@@ -22,6 +22,7 @@ import abc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from epp.metrics.plugin_clock import PluginClock
@@ -227,7 +228,11 @@ class Profile:
         cycle: Cycle,
         count: int,
         explain: bool = False,
+        defer: list[Callable[[], None]] | None = None,
     ) -> Decision:
+        """Choose up to ``count`` endpoints. The post-pick hooks run before returning, or, with
+        ``defer``, are appended to it as one task for the caller to run once its answer is out
+        (they only update what later decisions read)."""
         clock = self.clock
         clock.start()
         self.produce(request, candidates, cycle)
@@ -254,9 +259,17 @@ class Profile:
                 breakdown[c.address]["total"] = round(t, 4)
         chosen = self.picker.pick(candidates, totals, count)
         clock.lap(self.picker)
-        if chosen:
-            for hook in self.post_pick:
-                hook.on_pick(request, chosen[0], cycle)
-                clock.lap(hook)
+        if chosen and self.post_pick:
+            if defer is None:
+                self._post_pick(request, chosen[0], cycle)
+            else:
+                defer.append(partial(self._post_pick, request, chosen[0], cycle))
         clock.stop()
         return Decision(chosen, breakdown)
+
+    def _post_pick(self, request: InferenceRequest, chosen: EndpointState, cycle: Cycle) -> None:
+        clock = self.clock
+        clock.mark()
+        for hook in self.post_pick:
+            hook.on_pick(request, chosen, cycle)
+            clock.lap(hook)

@@ -258,3 +258,23 @@ async def test_a_profile_with_preparation_holds_the_request_until_resumed() -> N
 
 def trailers_msg() -> ext_proc_pb2.ProcessingRequest:
     return ext_proc_pb2.ProcessingRequest(request_trailers=ext_proc_pb2.HttpTrailers())
+
+
+async def test_post_pick_bookkeeping_waits_for_settle() -> None:
+    # The prefix index learns the pick only once settle() runs (the servicer calls it after
+    # sending the answer), and what it learned is the pick's, to move after a retry.
+    router = await make_router()
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    body = json.dumps({"model": "tiny", "prompt": "p" * 300, "max_tokens": 4}).encode()
+    (answer,) = handler.handle(body_msg(body))
+    picked, _ = destination(answer, "request_body")
+    endpoint = picked.split(",")[0]
+    assert router.fleet.prefix.size(endpoint) == 0
+    assert handler.pick is not None
+    assert handler.pick.learned == []
+    handler.settle()
+    assert router.fleet.prefix.size(endpoint) > 0
+    assert [item.endpoint for item in handler.pick.learned] == [endpoint]
+    handler.settle()  # idempotent
+    assert len(handler.pick.learned) == 1
