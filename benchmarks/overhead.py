@@ -244,7 +244,7 @@ def epp_argv(
     ]
 
 
-def run(args: argparse.Namespace) -> list[Result]:
+def run(args: argparse.Namespace) -> tuple[list[Result], list[StreamResult]]:
     """Per body mode, every set-up runs at once behind its own front Envoy; each measurement
     point then runs the set-ups back to back (``--rounds`` times, alternating), so slow drifts
     of the shared machine hit them alike."""
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> list[Result]:
         config = parse_config(epp_config)
         modes = ["buffered"] if args.quick else ["buffered", "full-duplex"]
         sizes = args.size or list(SIZES)
-        for mode in modes:
+        for mode in modes if args.part != "streaming" else []:
             fronts: dict[str, int] = {}
             servers: dict[str, Proc] = {}
             if mode == modes[0]:
@@ -355,10 +355,153 @@ def run(args: argparse.Namespace) -> list[Result]:
             for proc in list(bench.procs):
                 if proc.name != "backend" and proc.name != "envoy":
                     bench.stop(proc)
+        streams = streaming(args, bench, workdir) if args.part != "requests" else []
     finally:
         for p in list(bench.procs):
             p.stop()
+    return results, streams
+
+
+@dataclass
+class StreamResult:
+    mode: str
+    # "on": the response path as rendered; "off": response headers and body not sent to epp.
+    response: str
+    requests_per_s: float
+    tokens_per_s: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    failed: int
+    # epp's CPU time per streamed token, µs.
+    cpu_us_per_token: float
+
+
+def response_off(rendered: str) -> str:
+    """The rendered bootstrap without response processing (epp before issue 16): response
+    headers and body skipped; trailers still sent, so the stream lives as long as the response."""
+    boot = yaml.safe_load(rendered)
+    for listener in boot["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network in chain["filters"]:
+                for http in network["typed_config"].get("http_filters", []):
+                    mode = http.get("typed_config", {}).get("processing_mode")
+                    if mode is not None:
+                        mode["response_header_mode"] = "SKIP"
+                        mode["response_body_mode"] = "NONE"
+    return yaml.safe_dump(boot, sort_keys=False)
+
+
+def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[StreamResult]:
+    """Streamed chat completions (a token every ``--stream-interval-ms``) at concurrency 32
+    through epp with response processing on and off, side by side, per body mode."""
+    replica = free_port()
+    bench.spawn(
+        "stream-replica",
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.stream_replica",
+            "--port",
+            str(replica),
+            "--tokens",
+            str(args.stream_tokens),
+            "--interval-ms",
+            str(args.stream_interval_ms),
+        ],
+    )
+    bench.wait("stream replica", lambda: http_ok(f"http://127.0.0.1:{replica}/metrics"))
+    epp_config = {
+        "models": {"stream": {"pools": ["stream"]}},
+        "pools": {"stream": {"endpoints": [f"127.0.0.1:{replica}"]}},
+        "server": {"host": "127.0.0.1"},
+    }
+    config_path = workdir / "epp-stream.yaml"
+    config_path.write_text(yaml.safe_dump(epp_config))
+    config = parse_config(epp_config)
+    results = []
+    modes = ["buffered"] if args.quick else ["buffered", "full-duplex"]
+    for mode in modes:
+        fronts: dict[str, tuple[int, Proc]] = {}
+        for variant in ("off", "on"):
+            grpc_port, health, metrics = free_port(), free_port(), free_port()
+            argv = epp_argv(sys.executable, config_path, grpc_port, health, metrics)
+            server = bench.spawn(f"epp-stream-{variant}-{mode}", argv)
+            bench.wait("epp", lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
+            listen, admin = free_port(), free_port()
+            rendered = render(
+                config,
+                mode=cast(Mode, mode),
+                listen=f"127.0.0.1:{listen}",
+                admin=f"127.0.0.1:{admin}",
+                extproc=[f"127.0.0.1:{grpc_port}"],
+                health=[f"127.0.0.1:{health}"],
+            )
+            if variant == "off":
+                rendered = response_off(rendered)
+            bench.envoy(f"front-stream-{variant}-{mode}", rendered, admin)
+            bench.wait("a routed stream", lambda p=listen: _stream_ok(p))
+            fronts[variant] = (listen, server)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for variant, (port, server) in fronts.items():
+                cpu = _cpu_seconds(server)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.stream_client",
+                        "--url",
+                        f"http://127.0.0.1:{port}",
+                        "--concurrency",
+                        "32",
+                        "--duration",
+                        str(args.duration),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                row = json.loads(out)
+                spent = _cpu_seconds(server) - cpu
+                row["cpu"] = spent / max(1.0, row["tokens_per_s"] * args.duration) * 1e6
+                runs.setdefault(variant, []).append(row)
+        for variant, rows in runs.items():
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            result = StreamResult(
+                mode,
+                variant,
+                med["requests_per_s"],
+                med["tokens_per_s"],
+                med["itl_p50_ms"],
+                med["itl_p99_ms"],
+                int(sum(r["failed"] for r in rows)),
+                med["cpu"],
+            )
+            print(f"  stream {mode:11} response {variant:3} {result}", flush=True)
+            results.append(result)
+        for _, proc in fronts.values():
+            bench.stop(proc)
+        for proc in list(bench.procs):
+            if proc.name.startswith("front-stream"):
+                bench.stop(proc)
     return results
+
+
+def _stream_ok(port: int) -> bool:
+    import urllib.request
+
+    body = json.dumps({"model": "stream", "messages": [{"role": "user", "content": "go"}]})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=body.encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            status: int = resp.status
+            return status == 200
+    except OSError:
+        return False
 
 
 def profiler(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes]:
@@ -411,7 +554,53 @@ RPS_TARGET = 0.8
 P50_TARGET_MS = {"1KB": 0.3, "8KB": 0.3, "200KB": 1.0}
 
 
-def report(results: list[Result], args: argparse.Namespace, load: str) -> str:
+# Issue 16's targets for response processing: inter-token latency p99 added, throughput kept.
+ITL_P99_TARGET_MS = 1.0
+THROUGHPUT_TARGET = 0.85
+
+
+def stream_report(streams: list[StreamResult], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "",
+        "## Streaming: response processing on and off",
+        "",
+        f"Streamed chat completions at concurrency 32 through epp, {args.stream_tokens} tokens "
+        f"a response, one every {args.stream_interval_ms:g} ms from a replica that only streams "
+        "(`benchmarks/stream_replica.py`; client `benchmarks/stream_client.py`, one connection "
+        "a request). `on` is the response path as rendered (response headers and every body "
+        "chunk through epp), `off` the same bootstrap with response headers and body skipped; "
+        "both run at once, alternating, same rounds and duration as above. Inter-token latency "
+        "(ITL) is the gap between token arrivals at the client; `epp cpu µs/token` is epp's "
+        "CPU time per streamed token.",
+        "",
+        "| mode | response | req/s | tokens/s | ITL p50 ms | ITL p99 ms | failed "
+        "| epp cpu µs/token | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in sorted({r.mode for r in streams}):
+        off = next((r for r in streams if r.mode == mode and r.response == "off"), None)
+        for r in (r for r in streams if r.mode == mode):
+            verdict = ""
+            if r.response == "on" and off is not None:
+                added = r.itl_p99_ms - off.itl_p99_ms
+                share = r.tokens_per_s / off.tokens_per_s if off.tokens_per_s else 0.0
+                verdict = (
+                    f"ITL p99 {added:+.2f} ms (≤ +{ITL_P99_TARGET_MS:g}): "
+                    + ("met" if added <= ITL_P99_TARGET_MS else "missed")
+                    + f"; throughput {share:.0%} of off (≥ {THROUGHPUT_TARGET:.0%}): "
+                    + ("met" if share >= THROUGHPUT_TARGET else "missed")
+                )
+            lines.append(
+                f"| {r.mode} | {r.response} | {r.requests_per_s:.1f} | {r.tokens_per_s:.0f} "
+                f"| {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} | {r.failed} "
+                f"| {r.cpu_us_per_token:.0f} | {verdict} |"
+            )
+    return lines
+
+
+def report(
+    results: list[Result], streams: list[StreamResult], args: argparse.Namespace, load: str
+) -> str:
     def find(setup: str, mode: str, size: str, conc: int) -> Result | None:
         for r in results:
             if (r.setup, r.size, r.concurrency) == (setup, size, conc) and r.mode in (mode, "-"):
@@ -473,6 +662,8 @@ def report(results: list[Result], args: argparse.Namespace, load: str) -> str:
                 row += f" {b.cpu_us:.0f} |" if b else ""
                 row += f" {p.cpu_us:.0f} | {errors} |"
                 lines.append(row)
+    if streams:
+        lines += stream_report(streams, args)
     return "\n".join(lines) + "\n"
 
 
@@ -481,6 +672,9 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=5, help="seconds per measurement")
     parser.add_argument("--quick", action="store_true", help="buffered mode only")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per point")
+    parser.add_argument("--part", choices=["all", "requests", "streaming"], default="all")
+    parser.add_argument("--stream-tokens", type=int, default=50)
+    parser.add_argument("--stream-interval-ms", type=float, default=5.0)
     parser.add_argument("--size", action="append", choices=list(SIZES), help="default: all")
     parser.add_argument(
         "--profile", help="directory for py-spy profiles of epp at each concurrency-32 point"
@@ -492,8 +686,8 @@ def main() -> None:
     args = parser.parse_args()
     load = Path("/proc/loadavg").read_text().split()[:3]
     print("measuring (each line is one point) ...", flush=True)
-    results = run(args)
-    text = report(results, args, "load average " + " / ".join(load))
+    results, streams = run(args)
+    text = report(results, streams, args, "load average " + " / ".join(load))
     print(text)
     Path(args.output).write_text(text)
     print(f"wrote {args.output}")
