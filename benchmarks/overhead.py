@@ -244,7 +244,12 @@ def epp_argv(
     ]
 
 
-def run(args: argparse.Namespace) -> tuple[list[Result], list[StreamResult]]:
+IDLE_SECONDS = 3.0
+
+
+def run(
+    args: argparse.Namespace,
+) -> tuple[list[Result], list[StreamResult], dict[str, float]]:
     """Per body mode, every set-up runs at once behind its own front Envoy; each measurement
     point then runs the set-ups back to back (``--rounds`` times, alternating), so slow drifts
     of the shared machine hit them alike."""
@@ -253,6 +258,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[StreamResult]]:
     workdir = Path(tempfile.mkdtemp(prefix="epp-overhead-"))
     bench = Bench(workdir)
     results: list[Result] = []
+    idle: dict[str, float] = {}
     bodies = {}
     for label, length in SIZES.items():
         prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
@@ -314,6 +320,12 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[StreamResult]]:
                 # Wait until a real request routes (epp needs its first scrape).
                 bench.wait("first routed request", lambda p=listen: _post_ok(p, bodies["1KB"]))
                 fronts[setup] = listen
+            # Background work (scrapes, health checks) costs CPU with no request at all.
+            before_idle = {setup: _cpu_seconds(proc) for setup, proc in servers.items()}
+            time.sleep(IDLE_SECONDS)
+            for setup, proc in servers.items():
+                spent = _cpu_seconds(proc) - before_idle[setup]
+                idle[f"{setup} ({mode})"] = spent / IDLE_SECONDS
             for size in sizes:
                 for conc in (1, 32):
                     rows: dict[str, list[Run]] = {}
@@ -359,7 +371,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[StreamResult]]:
     finally:
         for p in list(bench.procs):
             p.stop()
-    return results, streams
+    return results, streams, idle
 
 
 @dataclass
@@ -599,7 +611,11 @@ def stream_report(streams: list[StreamResult], args: argparse.Namespace) -> list
 
 
 def report(
-    results: list[Result], streams: list[StreamResult], args: argparse.Namespace, load: str
+    results: list[Result],
+    streams: list[StreamResult],
+    idle: dict[str, float],
+    args: argparse.Namespace,
+    load: str,
 ) -> str:
     def find(setup: str, mode: str, size: str, conc: int) -> Result | None:
         for r in results:
@@ -662,6 +678,9 @@ def report(
                 row += f" {b.cpu_us:.0f} |" if b else ""
                 row += f" {p.cpu_us:.0f} | {errors} |"
                 lines.append(row)
+    if idle:
+        busy = ", ".join(f"{name} {share:.1%}" for name, share in idle.items())
+        lines += ["", f"CPU of each ext_proc server with no request ({IDLE_SECONDS:g} s): {busy}."]
     if streams:
         lines += stream_report(streams, args)
     return "\n".join(lines) + "\n"
@@ -686,8 +705,8 @@ def main() -> None:
     args = parser.parse_args()
     load = Path("/proc/loadavg").read_text().split()[:3]
     print("measuring (each line is one point) ...", flush=True)
-    results, streams = run(args)
-    text = report(results, streams, args, "load average " + " / ".join(load))
+    results, streams, idle = run(args)
+    text = report(results, streams, idle, args, "load average " + " / ".join(load))
     print(text)
     Path(args.output).write_text(text)
     print(f"wrote {args.output}")

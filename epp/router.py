@@ -21,7 +21,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
-from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
+from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS, child
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
 from epp.scheduling.prefix_data import CACHED_TOKENS
@@ -167,8 +167,8 @@ class Router:
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
-        PICKS.labels(first.pool, first.address).inc()
-        REQUESTS.labels(request.model, "routed").inc()
+        child(PICKS, first.pool, first.address).inc()
+        child(REQUESTS, request.model, "routed").inc()
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket

@@ -34,7 +34,14 @@ from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
 from epp.extproc.response_stream import ResponseObserver
-from epp.observability import MOVED, OBJECTIVE_REQUESTS, REQUESTS, RESULTS, refusal_reason
+from epp.observability import (
+    MOVED,
+    OBJECTIVE_REQUESTS,
+    REQUESTS,
+    RESULTS,
+    child,
+    refusal_reason,
+)
 from epp.request import InferenceRequest, api_for_path, check_headers, parse_decoded
 from epp.router import Router
 from epp.state.inflight import Ticket
@@ -340,7 +347,7 @@ class StreamHandler:
         self.pick = PickRecord(ticket, request.session)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
-        OBJECTIVE_REQUESTS.labels(request.model, request.model).inc()
+        child(OBJECTIVE_REQUESTS, request.model, request.model).inc()
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
         scores = None
