@@ -1,7 +1,8 @@
 """A no-op ext_proc server: the floor a Python ext_proc stands on, for overhead comparisons.
 
 It answers exactly like epp on the wire (same routing header and metadata, same full-duplex body
-echo) but makes no decision: the destination is fixed and the body is never parsed.
+echo, and the response messages of the rendered processing mode answered or echoed unread) but
+makes no decision: the destination is fixed and no body is parsed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from epp.extproc import responses
 from epp.server import GRPC_OPTIONS
 
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# Response messages answered unread (epp's response path reads them; the floor does not).
+_CONTINUE = {
+    "response_headers": responses.CONTINUE_RESPONSE_HEADERS,
+    "response_trailers": responses.CONTINUE_RESPONSE_TRAILERS,
+    "request_trailers": responses.CONTINUE_REQUEST_TRAILERS,
+}
 
 
 class NoopProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
@@ -28,13 +35,23 @@ class NoopProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[ext_proc_pb2.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc_pb2.ProcessingResponse]:
-        full_duplex = False
+        full_duplex = response_full_duplex = False
         body: list[bytes] = []
         async for message in request_iterator:
             if message.HasField("protocol_config"):
                 full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
+                response_full_duplex = message.protocol_config.response_body_mode == _FULL_DUPLEX
             kind = message.WhichOneof("request")
-            if kind == "request_headers" and not full_duplex:
+            if kind in _CONTINUE:
+                yield _CONTINUE[kind]
+            elif kind == "response_body":
+                if not response_full_duplex:
+                    yield responses.CONTINUE_RESPONSE_BODY
+                    continue
+                reply = message.response_body
+                for answer in responses.body_chunks(reply.body, reply.end_of_stream, True):
+                    yield answer
+            elif kind == "request_headers" and not full_duplex:
                 yield responses.CONTINUE_REQUEST_HEADERS
             elif kind == "request_body":
                 if not full_duplex:

@@ -9,16 +9,19 @@ replica, so the backend costs almost nothing) and one load generator (wrk):
 
 For each body mode (buffered, full-duplex), prompt size (1 KB, 8 KB, 200 KB) and concurrency (1,
 32) it records p50/p99 latency and requests/s, prints a table and writes ``docs/overhead.md``.
-Usage: ``python benchmarks/overhead.py [--duration 5] [--quick]``.
+Usage: ``python -m benchmarks.overhead [--duration 5] [--rounds 3] [--quick] [--before DIR]``;
+``--before`` runs a second worktree's epp alongside (e.g. the base commit of a change).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,6 +133,8 @@ class Result:
     p99_ms: float
     rps: float
     errors: int
+    # CPU time of the ext_proc server per request, µs (0 for plain Envoy).
+    cpu_us: float
 
 
 def wrk(
@@ -215,12 +220,45 @@ class Bench:
         return proc
 
 
-def run(args: argparse.Namespace) -> list[Result]:
+def epp_argv(
+    python: str, config_path: Path, grpc_port: int, health: int, metrics: int
+) -> list[str]:
+    # -P: import epp from the interpreter's own install, never from the current directory, so
+    # a --before worktree's Python runs that worktree's code.
+    return [
+        python,
+        "-P",
+        "-m",
+        "epp",
+        "serve",
+        "-c",
+        str(config_path),
+        "--port",
+        str(grpc_port),
+        "--health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--log-level",
+        "warning",
+    ]
+
+
+IDLE_SECONDS = 3.0
+
+
+def run(
+    args: argparse.Namespace,
+) -> tuple[list[Result], list[StreamResult], dict[str, float]]:
+    """Per body mode, every set-up runs at once behind its own front Envoy; each measurement
+    point then runs the set-ups back to back (``--rounds`` times, alternating), so slow drifts
+    of the shared machine hit them alike."""
     if shutil.which("wrk") is None:
         sys.exit("overhead: needs wrk (apt-get install wrk) as the load generator")
     workdir = Path(tempfile.mkdtemp(prefix="epp-overhead-"))
     bench = Bench(workdir)
     results: list[Result] = []
+    idle: dict[str, float] = {}
     bodies = {}
     for label, length in SIZES.items():
         prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
@@ -228,6 +266,9 @@ def run(args: argparse.Namespace) -> list[Result]:
         path.write_text(json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}))
         bodies[label] = path
     backends = [free_port() for _ in range(3)]
+    pythons = {"epp": sys.executable}
+    if args.before:
+        pythons = {"before": str(Path(args.before) / ".venv" / "bin" / "python"), **pythons}
     try:
         bench.envoy(
             "backend", backend_config(backends, free_port_admin := free_port()), free_port_admin
@@ -241,87 +282,267 @@ def run(args: argparse.Namespace) -> list[Result]:
         config_path = workdir / "epp.yaml"
         config_path.write_text(yaml.safe_dump(epp_config))
         config = parse_config(epp_config)
-        listen, admin = free_port(), free_port()
-        setups = ["envoy", "noop", "epp"]
         modes = ["buffered"] if args.quick else ["buffered", "full-duplex"]
-        concurrencies = [1, 32]
-        for setup in setups:
-            for mode in modes if setup != "envoy" else ["-"]:
+        sizes = args.size or list(SIZES)
+        for mode in modes if args.part != "streaming" else []:
+            fronts: dict[str, int] = {}
+            servers: dict[str, Proc] = {}
+            if mode == modes[0]:
+                listen, admin = free_port(), free_port()
+                bench.envoy("envoy", plain_config(listen, admin, backends[0]), admin)
+                fronts["envoy"] = listen
+            for setup in ["noop", *pythons]:
                 grpc_port, health, metrics = free_port(), free_port(), free_port()
-                if setup == "envoy":
-                    front = bench.envoy("front", plain_config(listen, admin, backends[0]), admin)
-                    server = None
+                if setup == "noop":
+                    argv = [
+                        sys.executable,
+                        str(ROOT / "benchmarks" / "noop_extproc.py"),
+                        "--port",
+                        str(grpc_port),
+                        "--destination",
+                        f"127.0.0.1:{backends[0]}",
+                    ]
+                    servers[setup] = bench.spawn(f"noop-{mode}", argv)
                 else:
-                    if setup == "noop":
-                        server = bench.spawn(
-                            "noop",
-                            [
-                                sys.executable,
-                                str(ROOT / "benchmarks" / "noop_extproc.py"),
-                                "--port",
-                                str(grpc_port),
-                                "--destination",
-                                f"127.0.0.1:{backends[0]}",
-                            ],
+                    argv = epp_argv(pythons[setup], config_path, grpc_port, health, metrics)
+                    servers[setup] = bench.spawn(f"{setup}-{mode}", argv)
+                    bench.wait(setup, lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
+                listen, admin = free_port(), free_port()
+                rendered = render(
+                    config,
+                    mode=cast(Mode, mode),
+                    listen=f"127.0.0.1:{listen}",
+                    admin=f"127.0.0.1:{admin}",
+                    extproc=[f"127.0.0.1:{grpc_port}"],
+                    health=[f"127.0.0.1:{health}"],
+                )
+                bench.envoy(f"front-{setup}-{mode}", rendered, admin)
+                # Wait until a real request routes (epp needs its first scrape).
+                bench.wait("first routed request", lambda p=listen: _post_ok(p, bodies["1KB"]))
+                fronts[setup] = listen
+            # Background work (scrapes, health checks) costs CPU with no request at all.
+            before_idle = {setup: _cpu_seconds(proc) for setup, proc in servers.items()}
+            time.sleep(IDLE_SECONDS)
+            for setup, proc in servers.items():
+                spent = _cpu_seconds(proc) - before_idle[setup]
+                idle[f"{setup} ({mode})"] = spent / IDLE_SECONDS
+            for size in sizes:
+                for conc in (1, 32):
+                    rows: dict[str, list[Run]] = {}
+                    for _ in range(args.rounds):
+                        for setup, port in fronts.items():
+                            url = f"http://127.0.0.1:{port}"
+                            wrk(url, bodies[size], conc, 1, workdir)  # warm-up
+                            spy = None
+                            if args.profile and setup == "epp" and conc > 1:
+                                pid = servers[setup].popen.pid
+                                out = Path(args.profile) / f"{mode}-{size}.txt"
+                                spy = profiler(pid, out, args.duration)
+                            server = servers.get(setup)
+                            cpu = _cpu_seconds(server) if server else 0.0
+                            p50, p99, rps, errs = wrk(
+                                url, bodies[size], conc, args.duration, workdir
+                            )
+                            if server is not None:
+                                cpu = (_cpu_seconds(server) - cpu) / (rps * args.duration)
+                            rows.setdefault(setup, []).append((p50, p99, rps, errs, cpu * 1e6))
+                            if spy is not None:
+                                spy.wait()
+                    for setup, runs in rows.items():
+                        result = Result(
+                            setup,
+                            "-" if setup == "envoy" else mode,
+                            size,
+                            conc,
+                            *_median_run(runs),
                         )
-                    else:
-                        server = bench.spawn(
-                            "epp",
-                            [
-                                sys.executable,
-                                "-m",
-                                "epp",
-                                "serve",
-                                "-c",
-                                str(config_path),
-                                "--port",
-                                str(grpc_port),
-                                "--health-port",
-                                str(health),
-                                "--metrics-port",
-                                str(metrics),
-                                "--log-level",
-                                "warning",
-                            ],
-                        )
-                        bench.wait(
-                            "epp", lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics")
-                        )
-                    front = bench.envoy(
-                        "front",
-                        render(
-                            config,
-                            # "-" labels only the plain-Envoy setup, which renders nothing here.
-                            mode=cast(Mode, mode),
-                            listen=f"127.0.0.1:{listen}",
-                            admin=f"127.0.0.1:{admin}",
-                            extproc=[f"127.0.0.1:{grpc_port}"],
-                            health=[f"127.0.0.1:{health}"],
-                        ),
-                        admin,
-                    )
-                    # Wait until a real request routes (epp needs its first scrape).
-                    bench.wait("first routed request", lambda: _post_ok(listen, bodies["1KB"]))
-                for size, body in bodies.items():
-                    for conc in concurrencies:
-                        wrk(f"http://127.0.0.1:{listen}", body, conc, 1, workdir)  # warm-up
-                        p50, p99, rps, errs = wrk(
-                            f"http://127.0.0.1:{listen}", body, conc, args.duration, workdir
-                        )
-                        result = Result(setup, mode, size, conc, p50, p99, rps, errs)
                         print(
-                            f"  {setup:5} {mode:11} {size:>5} c={conc:<2} p50 {p50:6.2f} ms"
-                            f"  p99 {p99:6.2f} ms  {rps:7.0f} req/s  errors {errs}",
+                            f"  {setup:6} {mode:11} {size:>5} c={conc:<2}"
+                            f" p50 {result.p50_ms:6.2f} ms  p99 {result.p99_ms:6.2f} ms"
+                            f"  {result.rps:7.0f} req/s  cpu {result.cpu_us:5.0f} µs/req"
+                            f"  errors {result.errors}",
                             flush=True,
                         )
                         results.append(result)
-                bench.stop(front)
-                if server is not None:
-                    bench.stop(server)
+            for proc in list(bench.procs):
+                if proc.name != "backend" and proc.name != "envoy":
+                    bench.stop(proc)
+        streams = streaming(args, bench, workdir) if args.part != "requests" else []
     finally:
         for p in list(bench.procs):
             p.stop()
+    return results, streams, idle
+
+
+@dataclass
+class StreamResult:
+    mode: str
+    # "on": the response path as rendered; "off": response headers and body not sent to epp.
+    response: str
+    requests_per_s: float
+    tokens_per_s: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    failed: int
+    # epp's CPU time per streamed token, µs.
+    cpu_us_per_token: float
+
+
+def response_off(rendered: str) -> str:
+    """The rendered bootstrap without response processing (epp before issue 16): response
+    headers and body skipped; trailers still sent, so the stream lives as long as the response."""
+    boot = yaml.safe_load(rendered)
+    for listener in boot["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network in chain["filters"]:
+                for http in network["typed_config"].get("http_filters", []):
+                    mode = http.get("typed_config", {}).get("processing_mode")
+                    if mode is not None:
+                        mode["response_header_mode"] = "SKIP"
+                        mode["response_body_mode"] = "NONE"
+    return yaml.safe_dump(boot, sort_keys=False)
+
+
+def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[StreamResult]:
+    """Streamed chat completions (a token every ``--stream-interval-ms``) at concurrency 32
+    through epp with response processing on and off, side by side, per body mode."""
+    replica = free_port()
+    bench.spawn(
+        "stream-replica",
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.stream_replica",
+            "--port",
+            str(replica),
+            "--tokens",
+            str(args.stream_tokens),
+            "--interval-ms",
+            str(args.stream_interval_ms),
+        ],
+    )
+    bench.wait("stream replica", lambda: http_ok(f"http://127.0.0.1:{replica}/metrics"))
+    epp_config = {
+        "models": {"stream": {"pools": ["stream"]}},
+        "pools": {"stream": {"endpoints": [f"127.0.0.1:{replica}"]}},
+        "server": {"host": "127.0.0.1"},
+    }
+    config_path = workdir / "epp-stream.yaml"
+    config_path.write_text(yaml.safe_dump(epp_config))
+    config = parse_config(epp_config)
+    results = []
+    modes = ["buffered"] if args.quick else ["buffered", "full-duplex"]
+    for mode in modes:
+        fronts: dict[str, tuple[int, Proc]] = {}
+        for variant in ("off", "on"):
+            grpc_port, health, metrics = free_port(), free_port(), free_port()
+            argv = epp_argv(sys.executable, config_path, grpc_port, health, metrics)
+            server = bench.spawn(f"epp-stream-{variant}-{mode}", argv)
+            bench.wait("epp", lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
+            listen, admin = free_port(), free_port()
+            rendered = render(
+                config,
+                mode=cast(Mode, mode),
+                listen=f"127.0.0.1:{listen}",
+                admin=f"127.0.0.1:{admin}",
+                extproc=[f"127.0.0.1:{grpc_port}"],
+                health=[f"127.0.0.1:{health}"],
+            )
+            if variant == "off":
+                rendered = response_off(rendered)
+            bench.envoy(f"front-stream-{variant}-{mode}", rendered, admin)
+            bench.wait("a routed stream", lambda p=listen: _stream_ok(p))
+            fronts[variant] = (listen, server)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for variant, (port, server) in fronts.items():
+                cpu = _cpu_seconds(server)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.stream_client",
+                        "--url",
+                        f"http://127.0.0.1:{port}",
+                        "--concurrency",
+                        "32",
+                        "--duration",
+                        str(args.duration),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                row = json.loads(out)
+                spent = _cpu_seconds(server) - cpu
+                row["cpu"] = spent / max(1.0, row["tokens_per_s"] * args.duration) * 1e6
+                runs.setdefault(variant, []).append(row)
+        for variant, rows in runs.items():
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            result = StreamResult(
+                mode,
+                variant,
+                med["requests_per_s"],
+                med["tokens_per_s"],
+                med["itl_p50_ms"],
+                med["itl_p99_ms"],
+                int(sum(r["failed"] for r in rows)),
+                med["cpu"],
+            )
+            print(f"  stream {mode:11} response {variant:3} {result}", flush=True)
+            results.append(result)
+        for _, proc in fronts.values():
+            bench.stop(proc)
+        for proc in list(bench.procs):
+            if proc.name.startswith("front-stream"):
+                bench.stop(proc)
     return results
+
+
+def _stream_ok(port: int) -> bool:
+    import urllib.request
+
+    body = json.dumps({"model": "stream", "messages": [{"role": "user", "content": "go"}]})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=body.encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            status: int = resp.status
+            return status == 200
+    except OSError:
+        return False
+
+
+def profiler(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes]:
+    """py-spy (a dev dependency) sampling ``pid`` for ``seconds``: collapsed stacks to ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spy = str(Path(sys.executable).parent / "py-spy")
+    argv = [spy, "record", "-p", str(pid), "-d", str(seconds), "-f", "raw", "-o", str(out)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# One wrk run: p50 ms, p99 ms, requests/s, errors, ext_proc CPU µs per request.
+Run = tuple[float, float, float, int, float]
+
+
+def _cpu_seconds(proc: Proc) -> float:
+    """User + system CPU time the process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _median_run(runs: list[Run]) -> Run:
+    """Per statistic, the median over rounds; errors summed."""
+    return (
+        statistics.median(r[0] for r in runs),
+        statistics.median(r[1] for r in runs),
+        statistics.median(r[2] for r in runs),
+        sum(r[3] for r in runs),
+        statistics.median(r[4] for r in runs),
+    )
 
 
 def _post_ok(port: int, body: Path) -> bool:
@@ -340,41 +561,128 @@ def _post_ok(port: int, body: Path) -> bool:
         return False
 
 
-def report(results: list[Result], args: argparse.Namespace) -> str:
+# Issue 18's targets: c=32 requests/s as a share of the no-op's; sequential p50 over the no-op.
+RPS_TARGET = 0.8
+P50_TARGET_MS = {"1KB": 0.3, "8KB": 0.3, "200KB": 1.0}
+
+
+# Issue 16's targets for response processing: inter-token latency p99 added, throughput kept.
+ITL_P99_TARGET_MS = 1.0
+THROUGHPUT_TARGET = 0.85
+
+
+def stream_report(streams: list[StreamResult], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "",
+        "## Streaming: response processing on and off",
+        "",
+        f"Streamed chat completions at concurrency 32 through epp, {args.stream_tokens} tokens "
+        f"a response, one every {args.stream_interval_ms:g} ms from a replica that only streams "
+        "(`benchmarks/stream_replica.py`; client `benchmarks/stream_client.py`, one connection "
+        "a request). `on` is the response path as rendered (response headers and every body "
+        "chunk through epp), `off` the same bootstrap with response headers and body skipped; "
+        "both run at once, alternating, same rounds and duration as above. Inter-token latency "
+        "(ITL) is the gap between token arrivals at the client; `epp cpu µs/token` is epp's "
+        "CPU time per streamed token.",
+        "",
+        "| mode | response | req/s | tokens/s | ITL p50 ms | ITL p99 ms | failed "
+        "| epp cpu µs/token | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in sorted({r.mode for r in streams}):
+        off = next((r for r in streams if r.mode == mode and r.response == "off"), None)
+        for r in (r for r in streams if r.mode == mode):
+            verdict = ""
+            if r.response == "on" and off is not None:
+                added = r.itl_p99_ms - off.itl_p99_ms
+                share = r.tokens_per_s / off.tokens_per_s if off.tokens_per_s else 0.0
+                verdict = (
+                    f"ITL p99 {added:+.2f} ms (≤ +{ITL_P99_TARGET_MS:g}): "
+                    + ("met" if added <= ITL_P99_TARGET_MS else "missed")
+                    + f"; throughput {share:.0%} of off (≥ {THROUGHPUT_TARGET:.0%}): "
+                    + ("met" if share >= THROUGHPUT_TARGET else "missed")
+                )
+            lines.append(
+                f"| {r.mode} | {r.response} | {r.requests_per_s:.1f} | {r.tokens_per_s:.0f} "
+                f"| {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} | {r.failed} "
+                f"| {r.cpu_us_per_token:.0f} | {verdict} |"
+            )
+    return lines
+
+
+def report(
+    results: list[Result],
+    streams: list[StreamResult],
+    idle: dict[str, float],
+    args: argparse.Namespace,
+    load: str,
+) -> str:
     def find(setup: str, mode: str, size: str, conc: int) -> Result | None:
         for r in results:
             if (r.setup, r.size, r.concurrency) == (setup, size, conc) and r.mode in (mode, "-"):
                 return r
         return None
 
+    before = bool(args.before)
+    command = f"python -m benchmarks.overhead --duration {args.duration} --rounds {args.rounds}"
     lines = [
         "# Overhead of epp through Envoy",
         "",
-        f"Generated by `python benchmarks/overhead.py --duration {args.duration}` on "
-        f"{platform.node()} ({platform.machine()}, 2 cores shared by Envoy, the ext_proc server, "
-        "the backend and wrk), " + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + ".",
+        f"Generated by `{command}` on {platform.node()} ({platform.machine()}, 2 cores shared "
+        "by Envoy, the ext_proc servers, the backend, wrk and other work), "
+        + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        + f"; machine load before the run: {load}.",
         "",
-        "All set-ups ran back to back in one run against the same backend (an Envoy answering "
-        "like a vLLM replica with no work), so the differences are what each layer adds. "
-        "Latency in ms from wrk; `Δ` columns are epp minus the no-op ext_proc at the same point.",
+        "Per body mode every set-up runs at once behind its own front Envoy, against the same "
+        "backend (an Envoy answering like a vLLM replica with no work), with the response path "
+        "as `epp envoy-config` renders it (response headers and body sent to the processor; the "
+        "no-op answers them unread). Each point runs the set-ups back to back, alternating, "
+        f"{args.rounds} round(s) of {args.duration} s; the median is shown. Latency in ms from "
+        "wrk; `Δ p50` is epp minus the no-op ext_proc; `share` is epp's requests/s over the "
+        "no-op's; `cpu µs/req` is the ext_proc server's CPU time (user + system) per request, "
+        "the figure least disturbed by the machine's other load."
+        + (" `before` is the same run of the base commit's epp (`--before`)." if before else ""),
         "",
-        "| mode | prompt | conc | envoy p50 | noop p50 | epp p50 | Δ p50 | noop p99 | epp p99 "
-        "| envoy req/s | noop req/s | epp req/s | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    head = "| mode | prompt | conc | envoy p50 | noop p50 |"
+    head += " before p50 |" if before else ""
+    head += " epp p50 | Δ p50 | noop p99 | epp p99 | envoy req/s | noop req/s |"
+    head += " before req/s | before share |" if before else ""
+    head += " epp req/s | share | target | noop cpu µs/req |"
+    head += " before cpu µs/req |" if before else ""
+    head += " epp cpu µs/req | errors |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     modes = sorted({r.mode for r in results if r.mode != "-"})
     for mode in modes:
         for size in SIZES:
             for conc in (1, 32):
                 e, n, p = (find(s, mode, size, conc) for s in ("envoy", "noop", "epp"))
-                if not (e and n and p):
+                b = find("before", mode, size, conc)
+                if not (e and n and p) or (before and b is None):
                     continue
-                lines.append(
-                    f"| {mode} | {size} | {conc} | {e.p50_ms:.2f} | {n.p50_ms:.2f} "
-                    f"| {p.p50_ms:.2f} "
-                    f"| {p.p50_ms - n.p50_ms:+.2f} | {n.p99_ms:.2f} | {p.p99_ms:.2f} | {e.rps:.0f} "
-                    f"| {n.rps:.0f} | {p.rps:.0f} | {e.errors + n.errors + p.errors} |"
-                )
+                delta = p.p50_ms - n.p50_ms
+                if conc == 1:
+                    goal = P50_TARGET_MS[size]
+                    verdict = f"Δ p50 ≤ {goal} ms: " + ("met" if delta <= goal else "missed")
+                else:
+                    verdict = f"share ≥ {RPS_TARGET:.0%}: " + (
+                        "met" if p.rps >= RPS_TARGET * n.rps else "missed"
+                    )
+                row = f"| {mode} | {size} | {conc} | {e.p50_ms:.2f} | {n.p50_ms:.2f} |"
+                row += f" {b.p50_ms:.2f} |" if b else ""
+                row += f" {p.p50_ms:.2f} | {delta:+.2f} | {n.p99_ms:.2f} | {p.p99_ms:.2f} |"
+                row += f" {e.rps:.0f} | {n.rps:.0f} |"
+                row += f" {b.rps:.0f} | {b.rps / n.rps:.0%} |" if b else ""
+                errors = e.errors + n.errors + p.errors + (b.errors if b else 0)
+                row += f" {p.rps:.0f} | {p.rps / n.rps:.0%} | {verdict} | {n.cpu_us:.0f} |"
+                row += f" {b.cpu_us:.0f} |" if b else ""
+                row += f" {p.cpu_us:.0f} | {errors} |"
+                lines.append(row)
+    if idle:
+        busy = ", ".join(f"{name} {share:.1%}" for name, share in idle.items())
+        lines += ["", f"CPU of each ext_proc server with no request ({IDLE_SECONDS:g} s): {busy}."]
+    if streams:
+        lines += stream_report(streams, args)
     return "\n".join(lines) + "\n"
 
 
@@ -382,11 +690,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=int, default=5, help="seconds per measurement")
     parser.add_argument("--quick", action="store_true", help="buffered mode only")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per point")
+    parser.add_argument("--part", choices=["all", "requests", "streaming"], default="all")
+    parser.add_argument("--stream-tokens", type=int, default=50)
+    parser.add_argument("--stream-interval-ms", type=float, default=5.0)
+    parser.add_argument("--size", action="append", choices=list(SIZES), help="default: all")
+    parser.add_argument(
+        "--profile", help="directory for py-spy profiles of epp at each concurrency-32 point"
+    )
+    parser.add_argument(
+        "--before", help="another worktree (bootstrapped) whose epp runs alongside, as 'before'"
+    )
     parser.add_argument("--output", default=str(ROOT / "docs" / "overhead.md"))
     args = parser.parse_args()
-    print("measuring (each line is one wrk run) ...", flush=True)
-    results = run(args)
-    text = report(results, args)
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print("measuring (each line is one point) ...", flush=True)
+    results, streams, idle = run(args)
+    text = report(results, streams, idle, args, "load average " + " / ".join(load))
     print(text)
     Path(args.output).write_text(text)
     print(f"wrote {args.output}")

@@ -9,10 +9,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TypeVar, cast
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from epp import __version__
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def child(metric: M, *values: str) -> M:
+    """``metric.labels(*values)``, read straight from the metric's series when it exists:
+    ``labels`` validates, converts and takes a lock every call (about 2 µs, paid ten times a
+    request); a dict read suffices once the series is there. A removed series is absent, so
+    ``labels`` re-creates it as it always did. (``_metrics`` is prometheus_client's own
+    table of label values to series; tests/unit/test_observability_child.py pins it.)"""
+    found = cast(M | None, metric._metrics.get(values))
+    return metric.labels(*values) if found is None else found
+
 
 REQUESTS = Counter(
     "epp_requests_total",

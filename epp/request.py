@@ -20,7 +20,9 @@ import os
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, AnyStr, Literal
+
+import msgspec
 
 from epp import wire
 from epp.errors import (
@@ -205,8 +207,20 @@ def parse_request(
     policy: RequestPolicy,
     models: Collection[str] | None = None,
 ) -> InferenceRequest:
-    """Parse an OpenAI request body; raise :class:`~epp.errors.RequestError` if malformed (400)
-    or, when ``models`` are given, if it names none of them (404).
+    """:func:`parse_decoded` without the decoded body."""
+    return parse_decoded(path, headers, body, policy, models)[0]
+
+
+def parse_decoded(
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    policy: RequestPolicy,
+    models: Collection[str] | None = None,
+) -> tuple[InferenceRequest, dict[str, Any]]:
+    """Parse an OpenAI request body (returned decoded too, so that nothing decodes it twice);
+    raise :class:`~epp.errors.RequestError` if malformed (400) or, when ``models`` are given,
+    if it names none of them (404).
 
     The model is checked before the rest of the body, as OpenAI does (an unknown model is 404
     ``model_not_found`` whatever else the body lacks): the model decides where a request could
@@ -231,7 +245,7 @@ def parse_request(
         raise _too_deep() from None
     _check_encodable(prompt)
     priority, fairness_id = _identity(headers, policy)
-    return InferenceRequest(
+    request = InferenceRequest(
         request_id=headers.get(wire.REQUEST_ID) or os.urandom(12).hex(),
         path=path,
         api=api,
@@ -247,6 +261,7 @@ def parse_request(
         body_size=len(body),
         headers=headers,
     )
+    return request, data
 
 
 def check_headers(headers: Mapping[str, str], max_body_bytes: int) -> RequestError | None:
@@ -283,7 +298,76 @@ def load_body(body: bytes) -> dict[str, Any]:
     routes?), ``NaN``/``Infinity`` and numbers that overflow to infinity (not JSON), nesting
     deeper than the interpreter's recursion limit (about 1000 levels: a 400, never a 500).
     Integers longer than Python's 4300-digit limit fail in the decoder itself.
+
+    Decoded by msgspec first (5x the standard library on a 200 KB prompt, on par with orjson,
+    which reads integers over 64 bits as floats): a body it accepts and that provably has no
+    duplicate key (:func:`_decode_fast`) is done. Anything else, valid or not, goes through the
+    standard library's strict decode, which is the reference and names what is wrong.
     """
+    data = _decode_fast(body)
+    return _decode_strict(body) if data is None else data
+
+
+def _decode_fast(body: bytes) -> dict[str, Any] | None:
+    """The body as msgspec decodes it, when that equals the strict decode; else None.
+
+    msgspec refuses what the strict decode refuses except duplicate keys (it keeps the last)
+    and lone surrogate escapes, which it refuses too. A duplicate is found by counting quotes:
+    every ``"`` in JSON text delimits a string (a key or a value) or is an escaped quote
+    inside one, so without duplicates the body holds exactly two per decoded string plus one
+    per ``"`` inside the decoded strings; a dropped duplicate key adds at least two. A
+    ``\\u0022`` escape yields a quote with no ``"`` in the text, so a body with one (and any
+    quote in its strings) is left to the strict decode.
+    """
+    try:
+        data = _FAST_DECODER.decode(body)
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    strings, quotes = _tally_strings(data)
+    if _count(body, b'"') != 2 * strings + quotes:
+        return None
+    if quotes and b"\\u0022" in body:
+        return None
+    return data
+
+
+def _tally_strings(data: dict[str, Any]) -> tuple[int, int]:
+    """Strings (keys and values) in a decoded document, and the quotes inside them."""
+    strings = quotes = 0
+    stack: list[Any] = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings += 1
+            quotes += _count(item, '"')
+        elif isinstance(item, dict):
+            strings += len(item)
+            quotes += _count("".join(item), '"')
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return strings, quotes
+
+
+def _count(text: AnyStr, char: AnyStr) -> int:
+    """``text.count(char)``, 30x faster when ``char`` is rare (a 200 KB prompt: 2 µs, not 64):
+    ``find`` runs memchr, ``count`` compares every byte; many hits fall back to ``count``."""
+    found = 0
+    at = text.find(char)
+    while at >= 0:
+        found += 1
+        if found == _FIND_LIMIT:
+            return found + text.count(char, at + 1)
+        at = text.find(char, at + 1)
+    return found
+
+
+_FIND_LIMIT = 32
+
+
+def _decode_strict(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(
             body,
@@ -298,6 +382,9 @@ def load_body(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad_request(f"Request body must be a JSON object, got {_json_kind(data)}.")
     return data
+
+
+_FAST_DECODER = msgspec.json.Decoder()
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -339,6 +426,8 @@ def _too_deep() -> RequestError:
 def _check_encodable(text: str) -> None:
     """The prompt text epp hashes must be valid Unicode: a ``\\ud800`` escape decodes to a
     lone surrogate, which no UTF-8 encoder (epp's hashing, the engine's tokenizer) accepts."""
+    if text.isascii():  # a flag of the string: no scan, no copy
+        return
     try:
         text.encode()
     except UnicodeEncodeError as exc:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from epp import errors
@@ -22,7 +22,7 @@ from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
-from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
+from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS, child
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
 from epp.scheduling.prefix_data import CACHED_TOKENS
@@ -121,11 +121,14 @@ class Router:
         request: InferenceRequest,
         subset: Sequence[str] | None = None,
         laps: list[Lap] | None = None,
+        defer: list[Callable[[], None]] | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
         The returned ticket counts the request as in flight on the chosen endpoint until it is
         passed to :meth:`finish`. ``laps`` (a traced request's) receives the plugins' timings.
+        With ``defer``, the profile's post-pick bookkeeping (prefix index, session binding) is
+        appended to it instead of run (:meth:`Profile.run`).
         """
         started = time.perf_counter()
         config = self._config
@@ -163,6 +166,7 @@ class Router:
             1 + config.routing.fallbacks,
             explain,
             laps,
+            defer,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints:
@@ -174,8 +178,8 @@ class Router:
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
-        PICKS.labels(first.pool, first.address).inc()
-        REQUESTS.labels(request.model, "routed").inc()
+        child(PICKS, first.pool, first.address).inc()
+        child(REQUESTS, request.model, "routed").inc()
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket

@@ -140,7 +140,8 @@ class ResponseObserver:
                 if self._strip and is_usage_only(payload):
                     dropped = True
                     continue
-            kept.append(event.raw)
+            if self._strip:
+                kept.append(event.raw)
         if not self._strip:
             return None
         if end:

@@ -8,7 +8,7 @@ forged by a client, so our Envoy configuration routes on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
 from google.protobuf.struct_pb2 import Struct
@@ -107,6 +107,17 @@ def body_chunks(
             yield ext_proc_pb2.ProcessingResponse(response_body=answer)
         else:
             yield ext_proc_pb2.ProcessingResponse(request_body=answer)
+
+
+def stream_back(chunks: Sequence[bytes]) -> Iterator[ext_proc_pb2.ProcessingResponse]:
+    """A full-duplex request body streamed back as it arrived: each chunk as one message
+    (split only above :data:`MAX_CHUNK`), the last one carrying ``end_of_stream``."""
+    if not chunks:
+        yield from body_chunks(b"")
+        return
+    last = len(chunks) - 1
+    for i, chunk in enumerate(chunks):
+        yield from body_chunks(chunk, i == last)
 
 
 def replace_response_body(body: bytes) -> ext_proc_pb2.ProcessingResponse:

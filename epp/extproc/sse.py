@@ -39,6 +39,9 @@ class SseDecoder:
     def feed(self, chunk: bytes) -> list[Event]:
         if self.overflowed:
             return []
+        if not self._pending and _whole_event(chunk):
+            # The common case (vLLM writes one event a chunk): nothing to split or hold.
+            return [Event(_data(chunk), chunk)]
         buffer = self._pending + chunk if self._pending else chunk
         events: list[Event] = []
         start = 0
@@ -89,7 +92,14 @@ def _event_end(buffer: bytes, start: int) -> int:
     return -1
 
 
+def _whole_event(chunk: bytes) -> bool:
+    """``chunk`` is exactly one event in ``\\n`` line endings: its first blank line ends it."""
+    return chunk.find(b"\n\n") == len(chunk) - 2 > 0 and b"\r" not in chunk
+
+
 def _data(raw: bytes) -> str:
+    if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2 and b"\r" not in raw:
+        return raw[6:-2].decode("utf-8", "replace")  # one data line, as vLLM writes events
     lines = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     data: list[str] = []
     for line in lines:

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
@@ -33,8 +34,15 @@ from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
 from epp.extproc.response_stream import Outcome, ResponseObserver
-from epp.observability import MOVED, OBJECTIVE_REQUESTS, REQUESTS, RESULTS, refusal_reason
-from epp.request import InferenceRequest, api_for_path, check_headers, load_body, parse_request
+from epp.observability import (
+    MOVED,
+    OBJECTIVE_REQUESTS,
+    REQUESTS,
+    RESULTS,
+    child,
+    refusal_reason,
+)
+from epp.request import InferenceRequest, api_for_path, check_headers, parse_decoded
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, move_pick, recording
@@ -62,7 +70,8 @@ class Pending:
     """A parsed request held until the servicer has awaited its preparation."""
 
     request: InferenceRequest
-    body: bytes
+    # The body as it will be forwarded: the chunks received, or the rewritten body.
+    chunks: Sequence[bytes]
     after: tuple[Response, ...]
     rewritten: bool
 
@@ -74,6 +83,7 @@ class StreamHandler:
         "_body",
         "_body_size",
         "_clock",
+        "_deferred",
         "_done",
         "_full_duplex",
         "_headers",
@@ -101,6 +111,8 @@ class StreamHandler:
         self._response_full_duplex = False
         self._subset: list[str] | None = None
         self._done = False
+        # The pick's bookkeeping, run by settle() once the routing answer is out.
+        self._deferred: list[Callable[[], None]] = []
         self._request: InferenceRequest | None = None
         # epp added stream_options.include_usage: hide the usage chunk from the client.
         self._strip_usage = False
@@ -164,9 +176,11 @@ class StreamHandler:
         if self._done:
             # Envoy may deliver the end-of-stream chunk twice for ~1 MB bodies: ignore repeats.
             return ()
-        if body.body:
-            self._body.append(body.body)
-            self._body_size += len(body.body)
+        # Each read of a bytes field copies it out of the message: read the chunk once.
+        chunk = body.body
+        if chunk:
+            self._body.append(chunk)
+            self._body_size += len(chunk)
             limit = self._router.config.routing.max_body_bytes
             if self._body_size > limit:
                 self._done = True
@@ -205,9 +219,11 @@ class StreamHandler:
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
         observer = self._observer
         forward = None
+        chunk = body.body  # one read: each copies the bytes out of the message
+        end = body.end_of_stream
         if observer is not None:
-            forward = observer.on_body(body.body, self._clock(), body.end_of_stream)
-            if body.end_of_stream or observer.body_complete:
+            forward = observer.on_body(chunk, self._clock(), end)
+            if end or observer.body_complete:
                 self.close(complete=True)
         if not self._response_full_duplex:
             if forward is None:
@@ -215,8 +231,26 @@ class StreamHandler:
             return (responses.replace_response_body(forward),)
         # Full-duplex responses must be echoed chunk by chunk (an empty one still carries the
         # end of stream).
-        chunk = body.body if forward is None else forward
-        return tuple(responses.body_chunks(chunk, body.end_of_stream, response=True))
+        return tuple(
+            responses.body_chunks(chunk if forward is None else forward, end, response=True)
+        )
+
+    def settle(self) -> None:
+        """Run the pick's bookkeeping held back from the answer (post-pick hooks: prefix
+        index insertions, session binding), recording what it learned in :attr:`pick`. The
+        servicer calls it once the answers of a message are sent; idempotent."""
+        work, self._deferred = self._deferred, []
+        if not work:
+            return
+        with recording(self._router.fleet.prefix) as learned:
+            for task in work:
+                try:
+                    task()
+                except Exception:
+                    # What later decisions would have learned is lost; this request is not.
+                    log.exception("post-pick bookkeeping failed")
+        if self.pick is not None:
+            self.pick.learned.extend(learned)
 
     def close(self, complete: bool = False) -> None:
         """The response ended (``complete``) or its stream closed: record what it showed.
@@ -259,17 +293,19 @@ class StreamHandler:
         both, then calls :meth:`resume` or :meth:`refuse_pending`); until then the stream is
         simply not answered. ``after`` follows the routing answer."""
         self._done = True
-        body = b"".join(self._body)
-        self._body.clear()
+        # The chunks as they arrived are what a full-duplex answer streams back (no copies);
+        # joined for parsing (one chunk, always so when buffered, is the body itself).
+        chunks, self._body = self._body, []
+        body = b"".join(chunks)
         headers = self._headers
         trace = self._trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
             config = self._router.config
-            request = parse_request(
+            request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, config.request, config.models
             )
-            rewritten = self._ask_for_usage(request, body)
+            rewritten = self._ask_for_usage(request, data)
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.parse", started, {"epp.body_bytes": len(body)}, error.message)
@@ -287,13 +323,13 @@ class StreamHandler:
                 },
             )
         if rewritten is not None:
-            body = rewritten
+            chunks = [rewritten]
         if self._router.needs_preparation():
-            self.pending = Pending(request, body, tuple(after), rewritten is not None)
+            self.pending = Pending(request, chunks, tuple(after), rewritten is not None)
             return ()
-        return self._route(request, body, after, rewritten is not None)
+        return self._route(request, chunks, after, rewritten is not None)
 
-    def _ask_for_usage(self, request: InferenceRequest, body: bytes) -> bytes | None:
+    def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
         """With ``routing.inject_stream_usage``, a streaming request that did not ask for
         usage gets ``stream_options.include_usage`` (the new body is returned) and the usage
         chunk it brings is later removed from what the client receives."""
@@ -303,7 +339,6 @@ class StreamHandler:
             and request.api in _USAGE_OPTION_APIS
         ):
             return None
-        data = load_body(body)  # parse_request accepted it
         options = data.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             return None
@@ -332,19 +367,24 @@ class StreamHandler:
         if pending is None:
             return ()
         self.pending = None
-        return self._route(pending.request, pending.body, pending.after, pending.rewritten)
+        return self._route(pending.request, pending.chunks, pending.after, pending.rewritten)
 
     def _route(
-        self, request: InferenceRequest, body: bytes, after: Sequence[Response], rewritten: bool
+        self,
+        request: InferenceRequest,
+        chunks: Sequence[bytes],
+        after: Sequence[Response],
+        rewritten: bool,
     ) -> Sequence[Response]:
+        """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
+        rewritten body (the only chunk then) in buffered mode."""
         fleet = self._router.fleet
         trace = self._trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
-            with recording(fleet.prefix) as learned:
-                decision, ticket = self._router.route(
-                    request, self._subset, None if trace is None else trace.laps
-                )
+            decision, ticket = self._router.route(
+                request, self._subset, None if trace is None else trace.laps, self._deferred
+            )
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.schedule", started, self._profile_attributes(), error.message)
@@ -357,10 +397,10 @@ class StreamHandler:
                 started,
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
-        self.pick = PickRecord(ticket, request.session, learned)
+        self.pick = PickRecord(ticket, request.session)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
-        OBJECTIVE_REQUESTS.labels(request.model, request.model).inc()
+        child(OBJECTIVE_REQUESTS, request.model, request.model).inc()
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
         scores = None
@@ -368,13 +408,14 @@ class StreamHandler:
         if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
+            size = sum(map(len, chunks))
             return (
-                responses.route_in_headers(destination, remove, len(body), scores),
-                *responses.body_chunks(body),
+                responses.route_in_headers(destination, remove, size, scores),
+                *responses.stream_back(chunks),
                 *after,
             )
         return (
-            responses.route_in_body(destination, remove, scores, body if rewritten else None),
+            responses.route_in_body(destination, remove, scores, chunks[0] if rewritten else None),
             *after,
         )
 

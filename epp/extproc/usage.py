@@ -10,9 +10,10 @@ cached tokens are None, not 0, so metrics do not claim a cache miss nobody measu
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,12 @@ def is_usage_only(payload: Any) -> bool:
 
 
 def decode(data: str | bytes) -> Any:
-    """JSON of an event or body, or None when it is not JSON (``[DONE]``, an error page)."""
+    """JSON of an event or body, or None when it is not JSON (``[DONE]``, an error page).
+    msgspec: several times the standard library's speed on every streamed event."""
     try:
-        return json.loads(data)
-    except ValueError:
+        return _DECODER.decode(data)
+    except (msgspec.MsgspecError, ValueError, RecursionError):
         return None
+
+
+_DECODER = msgspec.json.Decoder()

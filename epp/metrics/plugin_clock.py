@@ -125,5 +125,11 @@ class PluginClock:
         """Work between laps that belongs to no plugin (derived data keys) ends here."""
         self._last = time.perf_counter()
 
+    def resume(self, laps: list[Lap] | None) -> None:
+        """Deferred work of a finished run (post-pick hooks) is timed from here, its laps going
+        to ``laps``, that run's trace."""
+        self._laps = laps
+        self._last = time.perf_counter()
+
     def stop(self) -> None:
         TIMING.e2e.add(time.perf_counter() - self._started)

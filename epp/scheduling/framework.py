@@ -22,6 +22,7 @@ import abc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from epp.metrics.plugin_clock import Lap, PluginClock
@@ -228,9 +229,12 @@ class Profile:
         count: int,
         explain: bool = False,
         laps: list[Lap] | None = None,
+        defer: list[Callable[[], None]] | None = None,
     ) -> Decision:
-        """Filters, scorers, picker and post-pick hooks on ``candidates``; ``laps`` (a traced
-        request's) receives each plugin's start and end."""
+        """Choose up to ``count`` endpoints. The post-pick hooks run before returning, or, with
+        ``defer``, are appended to it as one task for the caller to run once its answer is out
+        (they only update what later decisions read). ``laps`` (a traced request's) receives
+        each plugin's start and end, the deferred hooks' included."""
         clock = self.clock
         clock.start(laps)
         self.produce(request, candidates, cycle)
@@ -257,9 +261,25 @@ class Profile:
                 breakdown[c.address]["total"] = round(t, 4)
         chosen = self.picker.pick(candidates, totals, count)
         clock.lap("picker", self.picker)
-        if chosen:
-            for hook in self.post_pick:
-                hook.on_pick(request, chosen[0], cycle)
-                clock.lap("post_pick", hook)
+        if chosen and self.post_pick:
+            if defer is None:
+                self._post_pick(request, chosen[0], cycle, laps)
+            else:
+                defer.append(partial(self._post_pick, request, chosen[0], cycle, laps))
         clock.stop()
         return Decision(chosen, breakdown)
+
+    def _post_pick(
+        self,
+        request: InferenceRequest,
+        chosen: EndpointState,
+        cycle: Cycle,
+        laps: list[Lap] | None,
+    ) -> None:
+        clock = self.clock
+        # Deferred, another request's run may have started on this clock since: the laps go
+        # to the trace of the run that picked.
+        clock.resume(laps)
+        for hook in self.post_pick:
+            hook.on_pick(request, chosen, cycle)
+            clock.lap("post_pick", hook)

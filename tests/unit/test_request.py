@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+import epp.request as request_module
 from epp.errors import RequestError
 from epp.request import (
     TEXT_PART_SEPARATOR,
@@ -176,6 +179,12 @@ DEEP = 100_000
         (b'{"model": "m", "prompt": "x", "n": 1' + b"0" * 5000 + b"}", "not valid JSON"),
         (b'{"model": "m", "prompt": "x", "model": "n"}', "duplicate key 'model'"),
         (b'{"model": "m", "prompt": [{"a": 1, "a": 2}]}', "duplicate key 'a'"),
+        # Duplicates the fast decoder's quote count must not miss: spaced keys, quotes in
+        # strings, and \u0022 escapes that yield quotes without a '"' in the text.
+        (b'{"model" : "m", "prompt": "x", "model" :"n"}', "duplicate key 'model'"),
+        (b'{"model": "m", "prompt": "say \\"hi\\"", "prompt": "y"}', "duplicate key 'prompt'"),
+        (b'{"model": "m", "a": 1, "a": 2, "prompt": "\\u0022\\u0022"}', "duplicate key 'a'"),
+        (b'{"model": "m", "prompt": "x", "m": {"k": [], "k": null}}', "duplicate key 'k'"),
         (b'{"model": "m", "prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", "too deeply"),
         (b'{"x": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}", "too deeply"),
         (b'{"model": "m", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
@@ -302,3 +311,55 @@ def test_an_unknown_model_is_404_before_the_rest_of_the_body_is_checked(
     with pytest.raises(RequestError) as known:
         parse_request("/v1/completions", {}, known_body, POLICY, ["tiny"])
     assert known.value.status == 400
+
+
+# JSON documents as (kind, content) trees whose objects may repeat a key, written with or
+# without spaces and with quotes escaped as \" or \u0022: what the fast decoder must get right.
+_KEYS = st.sampled_from(["a", "b", 'q"', "c\\", "model"]) | st.text(max_size=3)
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.sampled_from('ab"\\\n é:'), max_size=6)
+)
+_TREES = st.recursive(
+    _LEAVES,
+    lambda inner: (
+        st.tuples(st.just("list"), st.lists(inner, max_size=4))
+        | st.tuples(st.just("object"), st.lists(st.tuples(_KEYS, inner), max_size=4))
+    ),
+    max_leaves=16,
+)
+
+
+def _write(tree: object, colon: str, u0022: bool) -> str:
+    if isinstance(tree, tuple) and tree[0] == "list":
+        return "[" + ",".join(_write(v, colon, u0022) for v in tree[1]) + "]"
+    if isinstance(tree, tuple):
+        pairs = (_write(k, colon, u0022) + colon + _write(v, colon, u0022) for k, v in tree[1])
+        return "{" + ",".join(pairs) + "}"
+    text = json.dumps(tree, ensure_ascii=False)
+    return text.replace('\\"', "\\u0022") if u0022 and isinstance(tree, str) else text
+
+
+@given(
+    st.lists(st.tuples(_KEYS, _TREES), max_size=5),
+    st.sampled_from([":", " : ", ":\n"]),
+    st.booleans(),
+)
+def test_the_fast_decode_answers_only_as_the_strict_one_does(
+    pairs: list[tuple[str, object]], colon: str, u0022: bool
+) -> None:
+    body = _write(("object", pairs), colon, u0022).encode()
+    fast = request_module._decode_fast(body)
+    if fast is not None:
+        assert fast == request_module._decode_strict(body)
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        assert fast is None  # a duplicate is never accepted
+
+
+def test_the_fast_decode_takes_ordinary_bodies() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "say \\"hi\\": now"}]}'
+    assert request_module._decode_fast(body) == json.loads(body)

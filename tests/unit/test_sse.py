@@ -108,3 +108,13 @@ def test_token_events() -> None:
     assert not carries_token({"choices": [], "usage": USAGE})
     assert is_usage_only({"choices": [], "usage": USAGE})
     assert not is_usage_only({"choices": [{"text": "a"}], "usage": USAGE})
+
+
+def test_a_chunk_that_is_one_event_decodes_like_a_split_one() -> None:
+    # The one-event-a-chunk fast path and the general path agree, data and raw bytes.
+    for raw in (b'data: {"a": 1}\n\n', b"data:x\n\n", b"data: a\ndata: b\n\n", b": ping\n\n"):
+        whole = SseDecoder().feed(raw)
+        split = SseDecoder()
+        pieces = split.feed(raw[:3]) + split.feed(raw[3:])
+        assert whole == pieces, raw
+        assert [e.raw for e in whole] == [raw]

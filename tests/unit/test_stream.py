@@ -119,6 +119,21 @@ async def test_full_duplex_holds_headers_then_streams_body_back_in_chunks() -> N
     assert handler.handle(body_msg(b"", eos=True)) == ()
 
 
+async def test_full_duplex_streams_the_body_back_as_it_arrived() -> None:
+    # Chunks at or under the limit go back as they came (no re-slicing), the last one ending
+    # the stream; only a chunk over the limit is split.
+    handler = StreamHandler(await make_router())
+    handler.handle(headers_msg(mode=FULL_DUPLEX))
+    body = json.dumps({"model": "tiny", "prompt": "abcdefgh" * 100}).encode()
+    parts = [body[:7], body[7:300], body[300:]]
+    for part in parts[:-1]:
+        assert handler.handle(body_msg(part, eos=False)) == ()
+    answers = handler.handle(body_msg(parts[-1], eos=True))
+    chunks = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    assert [c.body for c in chunks] == parts
+    assert [c.end_of_stream for c in chunks] == [False, False, True]
+
+
 def immediate(resp: ext_proc_pb2.ProcessingResponse) -> tuple[int, dict[str, object]]:
     assert resp.WhichOneof("response") == "immediate_response"
     return resp.immediate_response.status.code, json.loads(resp.immediate_response.body)
@@ -243,3 +258,23 @@ async def test_a_profile_with_preparation_holds_the_request_until_resumed() -> N
 
 def trailers_msg() -> ext_proc_pb2.ProcessingRequest:
     return ext_proc_pb2.ProcessingRequest(request_trailers=ext_proc_pb2.HttpTrailers())
+
+
+async def test_post_pick_bookkeeping_waits_for_settle() -> None:
+    # The prefix index learns the pick only once settle() runs (the servicer calls it after
+    # sending the answer), and what it learned is the pick's, to move after a retry.
+    router = await make_router()
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    body = json.dumps({"model": "tiny", "prompt": "p" * 300, "max_tokens": 4}).encode()
+    (answer,) = handler.handle(body_msg(body))
+    picked, _ = destination(answer, "request_body")
+    endpoint = picked.split(",")[0]
+    assert router.fleet.prefix.size(endpoint) == 0
+    assert handler.pick is not None
+    assert handler.pick.learned == []
+    handler.settle()
+    assert router.fleet.prefix.size(endpoint) > 0
+    assert [item.endpoint for item in handler.pick.learned] == [endpoint]
+    handler.settle()  # idempotent
+    assert len(handler.pick.learned) == 1
