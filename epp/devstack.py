@@ -322,18 +322,20 @@ class Stack:
         return len(healthy) == self.epp_count
 
     def endpoint_ready(self, index: int = 0) -> bool:
-        """True once epp ``index`` reports every simulated replica ready."""
+        """True once epp ``index`` reports every simulated replica ready (in whichever pool
+        the configuration puts it)."""
         metrics = f"http://127.0.0.1:{self.epp_ports[index][2]}/metrics"
         try:
             with urllib.request.urlopen(metrics, timeout=0.5) as resp:
                 text = resp.read().decode()
         except OSError:
             return False
-        return all(
-            f'endpoint="{addr}",pool="main"}} 1.0' in text
-            or f'pool="main",endpoint="{addr}"}} 1.0' in text
-            for addr in self.replica_addresses
-        )
+        ready = {
+            line.partition('endpoint="')[2].partition('"')[0]
+            for line in text.splitlines()
+            if line.startswith("epp_endpoint_ready{") and line.endswith("} 1.0")
+        }
+        return all(addr in ready for addr in self.replica_addresses)
 
     def _check_alive(self) -> None:
         for proc in self.procs.values():

@@ -305,6 +305,11 @@ FLOW_QUEUE_DURATION = Histogram(
     ["inference_pool", "priority", "outcome"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+SPILLED = Counter(
+    "epp_spilled_requests_total",
+    "Requests sent to an overflow pool because their home pool was saturated (spillover).",
+    ["model", "overflow"],
+)
 POOL_SATURATION = Gauge(
     "inference_extension_flow_control_pool_saturation",
     "1 when every candidate endpoint of the pool (model) was full at the last check, else 0.",

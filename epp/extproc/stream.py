@@ -43,6 +43,7 @@ from epp.wire import (
     DESTINATION,
     EXPLAIN,
     LB_NAMESPACE,
+    OVERFLOW,
     SERVED,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -80,6 +81,7 @@ class StreamHandler:
         "_request",
         "_response_full_duplex",
         "_router",
+        "_spilled",
         "_started",
         "_strip_usage",
         "_subset",
@@ -98,6 +100,8 @@ class StreamHandler:
         self._full_duplex = False
         self._response_full_duplex = False
         self._subset: list[str] | None = None
+        # The overflow pool the request was spilled to (no replica of ours serves it).
+        self._spilled: str | None = None
         self._done = False
         self._request: InferenceRequest | None = None
         # epp added stream_options.include_usage: hide the usage chunk from the client.
@@ -177,7 +181,12 @@ class StreamHandler:
         observer = self._observer = ResponseObserver(self._started, self._strip_usage)
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
-        if self.pick is not None and served is not None and served != self.pick.endpoint:
+        if (
+            self.pick is not None
+            and self._spilled is None
+            and served is not None
+            and served != self.pick.endpoint
+        ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
             # the picked endpoint failed an attempt.
             now = time.time()
@@ -220,7 +229,7 @@ class StreamHandler:
             # is mostly the queue, which must not inflate the service time.
             self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
-        if endpoint is not None:
+        if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
             judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time())
 
@@ -298,6 +307,9 @@ class StreamHandler:
     def _route(
         self, request: InferenceRequest, body: bytes, after: Sequence[Response], rewritten: bool
     ) -> Sequence[Response]:
+        overflow = self._router.spill_target(request)
+        if overflow is not None:
+            return self._spill(request, body, after, rewritten, overflow)
         fleet = self._router.fleet
         try:
             with recording(fleet.prefix) as learned:
@@ -324,6 +336,28 @@ class StreamHandler:
             responses.route_in_body(destination, remove, scores, body if rewritten else None),
             *after,
         )
+
+    def _spill(
+        self,
+        request: InferenceRequest,
+        body: bytes,
+        after: Sequence[Response],
+        rewritten: bool,
+        overflow: str,
+    ) -> Sequence[Response]:
+        """Send the request to overflow pool ``overflow`` (its home pool is saturated)."""
+        self.pick = PickRecord(self._router.spill(request, overflow))
+        self._spilled = overflow
+        self._request = request
+        remove = [h for h in _present(self._headers, (*CONTROL_HEADERS, EXPLAIN)) if h != OVERFLOW]
+        if self._full_duplex:
+            return (
+                responses.route_in_headers("", remove, len(body), overflow=overflow),
+                *responses.body_chunks(body),
+                *after,
+            )
+        body_out = body if rewritten else None
+        return (responses.route_in_body("", remove, body=body_out, overflow=overflow), *after)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
