@@ -3,31 +3,22 @@ home pool is saturated (and the overflow is not); critical never does."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
 from epp.devstack import Stack
-from tests.e2e.client import Reply, completion, metric_values
+from tests.e2e.client import Reply, completion
 from tests.e2e.conftest import make_stack
-from tests.e2e.fleet import wait_until
+from tests.e2e.fleet import completion_in_background, epp_metric, wait_until
 from tests.e2e.test_routing import set_fault
 
 BATCH = {"x-gateway-inference-objective": "batch"}
 CRITICAL = {"x-gateway-inference-objective": "critical"}
 
 
-def _epp_metric(stack: Stack, name: str) -> dict[str, float]:
-    return metric_values(f"http://127.0.0.1:{stack.epp_ports[0][2]}/metrics", name)
-
-
-def _background(url: str, into: list[Reply], prompt: str, **headers: str) -> threading.Thread:
-    thread = threading.Thread(
-        target=lambda: into.append(completion(url, prompt, 2, **headers)), daemon=True
-    )
-    thread.start()
-    return thread
+def _held(stack: Stack) -> float:
+    return sum(epp_metric(stack, 0, "inference_extension_flow_control_queue_size").values())
 
 
 @pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
@@ -53,9 +44,9 @@ def test_batch_spills_only_while_home_is_saturated(tmp_path: Path, mode: str) ->
         # Saturate home: one request hangs on the home replica.
         set_fault(home, hang=True)
         fill: list[Reply] = []
-        _background(stack.url, fill, "fills home")
+        completion_in_background(stack.url, fill, "fills home")
         wait_until(
-            lambda: sum(_epp_metric(stack, "epp_endpoint_picks_total").values()) == 2,
+            lambda: sum(epp_metric(stack, 0, "epp_endpoint_picks_total").values()) == 2,
             10,
             "the home replica holds one request",
         )
@@ -64,15 +55,17 @@ def test_batch_spills_only_while_home_is_saturated(tmp_path: Path, mode: str) ->
         spilled = completion(stack.url, "batch while home is full", **BATCH)
         assert spilled.status == 200, spilled.body
         assert spilled.served_by == remote
-        assert _epp_metric(stack, "epp_spilled_requests_total") == {
+        assert epp_metric(stack, 0, "epp_spilled_requests_total") == {
             '{model="tiny",overflow="remote"}': 1.0
         }
 
         # Critical never spills: it waits (held) for home.
         critical: list[Reply] = []
-        _background(stack.url, critical, "critical while home is full", **CRITICAL)
+        completion_in_background(stack.url, critical, "critical while home is full", **CRITICAL)
         wait_until(
-            lambda: any(_epp_metric(stack, "inference_extension_flow_control_queue_size").values()),
+            lambda: any(
+                epp_metric(stack, 0, "inference_extension_flow_control_queue_size").values()
+            ),
             10,
             "critical is held",
         )
@@ -80,17 +73,18 @@ def test_batch_spills_only_while_home_is_saturated(tmp_path: Path, mode: str) ->
         # The overflow is saturated too (its max_requests: one spill hangs there): batch waits.
         set_fault(remote, hang=True)
         hanging: list[Reply] = []
-        _background(stack.url, hanging, "batch that hangs in the overflow", **BATCH)
+        completion_in_background(stack.url, hanging, "batch that hangs in the overflow", **BATCH)
         wait_until(
-            lambda: sum(_epp_metric(stack, "epp_spilled_requests_total").values()) == 2,
+            lambda: sum(epp_metric(stack, 0, "epp_spilled_requests_total").values()) == 2,
             10,
             "the second batch spilled",
         )
         waiting: list[Reply] = []
-        _background(stack.url, waiting, "batch while both are full", **BATCH)
+        completion_in_background(stack.url, waiting, "batch while both are full", **BATCH)
         wait_until(
             lambda: (
-                sum(_epp_metric(stack, "inference_extension_flow_control_queue_size").values()) == 2
+                sum(epp_metric(stack, 0, "inference_extension_flow_control_queue_size").values())
+                == 2
             ),
             10,
             "critical and the last batch are held",
@@ -106,4 +100,4 @@ def test_batch_spills_only_while_home_is_saturated(tmp_path: Path, mode: str) ->
         assert waiting[0].served_by == home
         assert hanging[0].status == 200
         assert hanging[0].served_by == remote
-        assert sum(_epp_metric(stack, "epp_spilled_requests_total").values()) == 2
+        assert sum(epp_metric(stack, 0, "epp_spilled_requests_total").values()) == 2
