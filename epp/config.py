@@ -5,14 +5,18 @@ Shape (every section optional except ``models`` and ``pools``)::
     models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR}}
     pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}
                     | {discovery: {dns: {...}} | {kubernetes: {...}}},
-                     metrics_tls: {ca, cert, key, server_name}}  (docs/discovery.md, security.md)
+                     metrics_tls: {ca, cert, key, server_name},  (docs/discovery.md, security.md)
+                     overflow: [OVERFLOW, ...]}
+    overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
+              (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
                tls: {cert, key, client_ca}, debug_access: local|any, debug_token}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage}
     autoscaling: {target_utilisation, replica_concurrency, window_seconds}
     request:  {session_header, priority_header, objective_header, fairness_header,
-               objectives: {NAME: int}, trusted_headers, api_keys: {KEY: {tenant, objective}}}
+               objectives: {NAME: int | {priority, spill}}, trusted_headers,
+               api_keys: {KEY: {tenant, objective}}}
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}}
@@ -45,6 +49,7 @@ import yaml
 from epp.admission import SaturationDetector
 from epp.admission.flow_queue import BandLimits, QueueLimits
 from epp.admission.saturation import DEFAULT_STALE_SECONDS
+from epp.admission.spillover import OverflowPool, Spillover
 from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, RequestPolicy
@@ -85,6 +90,7 @@ SECTIONS: Mapping[str, Reload] = {
     "routing": Reload.APPLIED,
     "request": Reload.APPLIED,
     "admission": Reload.APPLIED,
+    "overflow": Reload.APPLIED,
     "autoscaling": Reload.APPLIED,
     "scheduling": Reload.APPLIED,
     "store": Reload.RESTART,
@@ -216,6 +222,7 @@ class Config:
     admission: SaturationDetector = field(default_factory=SaturationDetector)
     autoscaling: DemandPolicy = field(default_factory=DemandPolicy)
     flow_control: FlowControl = field(default_factory=lambda: FlowControl())
+    spillover: Spillover = field(default_factory=Spillover)
     store: StoreConfig = field(default_factory=StoreConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -277,6 +284,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         autoscaling=_autoscaling(root.child("autoscaling")),
         admission=_admission(admission, scrape.interval),
         flow_control=_flow_control(admission),
+        spillover=_spillover(root, pools.endpoints),
         store=_store(root.child("store")),
         health=_health(root.child("health")),
         tracing=_tracing(root.child("tracing")),
@@ -438,7 +446,7 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
     """One pool's endpoint addresses; weights, KV-event addresses, a discovery source and how
     to scrape over https go to ``into`` (a discovered pool starts empty: epp.discovery fills it
     at run time)."""
-    pool.only("endpoints", "discovery", "metrics_tls")
+    pool.only("endpoints", "discovery", "metrics_tls", "overflow")
     if pool.at("metrics_tls").value is not None:
         into.metrics_tls[name] = _client_tls(pool.at("metrics_tls"))
     if pool.at("discovery").value is not None:
@@ -603,7 +611,15 @@ def _request(node: _Node) -> RequestPolicy:
     )
     d = RequestPolicy()
     objectives: dict[str, int] = {}
+    spill: set[str] = set()
     for name, value in node.child("objectives").items():
+        if isinstance(value.value, dict):
+            value.only("priority", "spill")
+            if value.get("spill", bool, False):
+                spill.add(name)
+            value = value.child("priority", required=True)
+            if value.value is None:
+                continue  # reported as missing
         if not isinstance(value.value, int) or isinstance(value.value, bool):
             value.report(f"must be an integer priority, got {value.value!r}")
             continue
@@ -626,6 +642,7 @@ def _request(node: _Node) -> RequestPolicy:
         objective_header=node.get("objective_header", str, d.objective_header).lower(),
         fairness_header=node.get("fairness_header", str, d.fairness_header).lower(),
         objectives=objectives,
+        spill_objectives=frozenset(spill),
         trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
         api_keys=api_keys,
     )
@@ -684,6 +701,52 @@ def _fraction(node: _Node, key: str, default: float) -> float:
         node.at(key).report(f"must be a fraction in [0, 1), got {value!r}")
         return default
     return value
+
+
+def _spillover(root: _Node, pools: Mapping[str, tuple[str, ...]]) -> Spillover:
+    """The ``overflow`` section, and each pool's ``overflow`` list naming its entries."""
+    overflow: dict[str, OverflowPool] = {}
+    home = {a for addrs in pools.values() for a in addrs}
+    for name, node in root.child("overflow").items():
+        node.only("gateway", "endpoints", "max_requests")
+        if name in pools:
+            node.report(f"must not share a name with pool {name!r}")
+        addresses: dict[str, list[str]] = {}
+        for key in ("gateway", "endpoints"):
+            listed = node.child(key, required=True)
+            if listed.value == []:
+                listed.report("must list at least one host:port")
+            addresses[key] = [a for a in map(_host_port, listed.list()) if a is not None]
+        for index, addr in enumerate(addresses["endpoints"]):
+            if addr in home:
+                node.at("endpoints").at(index).report(
+                    f"must not be an endpoint of a home pool, got {addr}"
+                )
+        overflow[name] = OverflowPool(
+            tuple(addresses["gateway"]),
+            tuple(addresses["endpoints"]),
+            node.integer("max_requests", 0, ge=0),
+        )
+    routes: dict[str, tuple[str, ...]] = {}
+    for pool, node in root.child("pools").items():
+        if not isinstance(node.value, dict) or node.at("overflow").value is None:
+            continue
+        refs = node.child("overflow")
+        for ref in refs.list():
+            if ref.value not in overflow:
+                ref.report(f"must name an entry of the overflow section, got {ref.value!r}")
+        routes[pool] = tuple(str(r.value) for r in refs.list() if r.value in overflow)
+    return Spillover(overflow, routes)
+
+
+def _host_port(node: _Node) -> str | None:
+    """``host:port`` where host may be a name (another region's gateway is often one)."""
+    value = node.value
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        node.report(f"must be 'host:port' with a port in 1..65535, got {value!r}")
+        return None
+    return str(value)
 
 
 _MODES = ("off", "shed", "queue")

@@ -271,6 +271,36 @@ class Stack:
             ],
         )
 
+    def pinned_envoy(self, index: int, timeout: float = 30.0) -> str:
+        """Start an extra Envoy whose ext_proc goes to epp ``index`` only; returns its URL
+        (for tests and benchmarks that must know which epp handles a request)."""
+        from epp.config import load_config
+        from epp.envoy_config import render
+
+        port, health, _ = self.epp_ports[index]
+        listen, admin = free_port(), free_port()
+        path = self.workdir / f"envoy-epp{index}.yaml"
+        path.write_text(
+            render(
+                load_config(self.config_path),
+                mode=self.mode,
+                listen=f"127.0.0.1:{listen}",
+                admin=f"127.0.0.1:{admin}",
+                extproc=[f"127.0.0.1:{port}"],
+                health=[health],
+            )
+        )
+        self.spawn(
+            f"envoy-epp{index}",
+            [envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id", str(admin)],
+        )
+        deadline = time.monotonic() + timeout
+        while not http_ok(f"http://127.0.0.1:{admin}/ready"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Envoy for epp{index} did not become ready")
+            time.sleep(0.1)
+        return f"http://127.0.0.1:{listen}"
+
     def start(self, timeout: float = 30.0, progress: bool = False) -> None:
         self.write_configs()
         self.start_sims()
@@ -322,18 +352,20 @@ class Stack:
         return len(healthy) == self.epp_count
 
     def endpoint_ready(self, index: int = 0) -> bool:
-        """True once epp ``index`` reports every simulated replica ready."""
+        """True once epp ``index`` reports every simulated replica ready (in whichever pool
+        the configuration puts it)."""
         metrics = f"http://127.0.0.1:{self.epp_ports[index][2]}/metrics"
         try:
             with urllib.request.urlopen(metrics, timeout=0.5) as resp:
                 text = resp.read().decode()
         except OSError:
             return False
-        return all(
-            f'endpoint="{addr}",pool="main"}} 1.0' in text
-            or f'pool="main",endpoint="{addr}"}} 1.0' in text
-            for addr in self.replica_addresses
-        )
+        ready = {
+            line.partition('endpoint="')[2].partition('"')[0]
+            for line in text.splitlines()
+            if line.startswith("epp_endpoint_ready{") and line.endswith("} 1.0")
+        }
+        return all(addr in ready for addr in self.replica_addresses)
 
     def _check_alive(self) -> None:
         for proc in self.procs.values():

@@ -33,6 +33,9 @@ The pieces, in request order:
   comma list. When the list is absent or used up, the fallback policy is a subset balancer with
   no subsets and ``NO_FALLBACK``: it never returns a host, so Envoy answers 503 "no healthy
   upstream" instead of silently picking a random replica.
+* **clusters ``overflow-NAME``** (spillover, docs/admission.md): each overflow pool's gateway,
+  reached by a route ahead of the pool's that matches the ``x-epp-overflow`` header epp sets
+  on a spilled request (client copies are stripped by the header_mutation filter).
 * **cluster ``epp``** holds one or more epp processes (active-active) over HTTP/2. A stream
   that cannot reach an epp is retried on another (``grpc_service.retry_policy``); gRPC health
   checks on each epp's health port and outlier detection take a dead or draining epp out of
@@ -55,6 +58,7 @@ from typing import Any, Literal
 
 import yaml
 
+from epp.admission.spillover import OverflowPool
 from epp.config import Config, ConfigError, load_config
 from epp.discovery.eds import EdsFile, eds_path
 from epp.discovery.spec import DnsSpec, KubernetesSpec
@@ -62,6 +66,7 @@ from epp.wire import (
     CONTROL_HEADERS,
     DESTINATION,
     LB_NAMESPACE,
+    OVERFLOW,
     SCORES,
     SERVED,
     SUBSET_HINT_NAMESPACE,
@@ -298,9 +303,16 @@ def _header_mutation_filter(config: Config) -> dict[str, Any]:
     )
 
 
-def _route(config: Config) -> dict[str, Any]:
-    return {
-        "match": {"prefix": "/"},
+def _route(config: Config, overflow: str | None = None) -> dict[str, Any]:
+    """The route to the pool (``overflow`` None), or to overflow pool ``overflow``'s gateway
+    for requests epp answered with that pool in the overflow header (spillover): matched
+    only by that header, which only epp can set (the header_mutation filter strips client
+    copies), and removed before the request leaves for the other gateway."""
+    match: dict[str, Any] = {"prefix": "/"}
+    if overflow is not None:
+        match["headers"] = [{"name": OVERFLOW, "string_match": {"exact": overflow}}]
+    route = {
+        "match": match,
         # Raises the stream's buffer limit above the listener's 1 MiB default: BUFFERED
         # ext_proc answers 413 past it, and the router keeps the body for retries only up to
         # it (a larger body is sent once, without fallback).
@@ -324,18 +336,48 @@ def _route(config: Config) -> dict[str, Any]:
             },
         ],
         "route": {
-            "cluster": POOL_CLUSTER,
+            "cluster": POOL_CLUSTER if overflow is None else overflow_cluster(overflow),
             "timeout": "0s",
             "idle_timeout": "0s",
             # Any 5xx of a replica (and resets, refused connections) moves the request to epp's
             # next fallback, at most `fallbacks` times. Envoy retries only until it has
             # forwarded the response headers: a stream that fails after it began is not
-            # retried (tests/e2e/test_response_path.py checks both).
+            # retried (tests/e2e/test_response_path.py checks both). An overflow gateway's
+            # 5xx is its own answer (its epp refused): only connection failures are retried.
             "retry_policy": {
-                "retry_on": "5xx,connect-failure,reset,refused-stream",
+                "retry_on": ("5xx," if overflow is None else "") + "connect-failure,reset,"
+                "refused-stream",
                 "num_retries": config.routing.fallbacks,
                 "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
             },
+        },
+    }
+    if overflow is not None:
+        route["request_headers_to_remove"] = [OVERFLOW]
+    return route
+
+
+def overflow_cluster(name: str) -> str:
+    """The Envoy cluster of overflow pool ``name`` (its gateway)."""
+    return f"overflow-{name}"
+
+
+def _overflow_cluster(name: str, pool: OverflowPool) -> dict[str, Any]:
+    """An overflow pool's gateway: plain round robin over its addresses (the gateway there
+    picks the replica), resolved by Envoy when they are names."""
+    static = all(_is_ip(parse_address(a)[0]) for a in pool.gateway)
+    return {
+        "name": overflow_cluster(name),
+        "type": "STATIC" if static else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": _http_options(http_protocol_options={}),
+        "circuit_breakers": _circuit_breakers(),
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": overflow_cluster(name),
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in pool.gateway]}
+            ],
         },
     }
 
@@ -452,7 +494,17 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
         "local_reply_config": _local_replies(config, mode),
         "route_config": {
             "name": "epp",
-            "virtual_hosts": [{"name": "fleet", "domains": ["*"], "routes": [_route(config)]}],
+            "virtual_hosts": [
+                {
+                    "name": "fleet",
+                    "domains": ["*"],
+                    # Spilled requests first (matched by the overflow header epp sets).
+                    "routes": [
+                        *(_route(config, name) for name in config.spillover.pools),
+                        _route(config),
+                    ],
+                }
+            ],
         },
         "http_filters": [
             _header_mutation_filter(config),
@@ -707,6 +759,7 @@ def bootstrap(
             "clusters": [
                 _pool_cluster(config, eds_dir),
                 _epp_cluster(config, extproc, health, tls),
+                *(_overflow_cluster(n, p) for n, p in config.spillover.pools.items()),
             ],
         },
     }

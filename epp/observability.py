@@ -326,6 +326,11 @@ FLOW_DROPPED = Counter(
     "x-epp-request-dropped-reason header): queue full, wait over the TTL, displaced.",
     ["inference_pool", "reason"],
 )
+SPILLED = Counter(
+    "epp_spilled_requests_total",
+    "Requests sent to an overflow pool because their home pool was saturated (spillover).",
+    ["model", "overflow"],
+)
 POOL_SATURATION = Gauge(
     "inference_extension_flow_control_pool_saturation",
     "1 when every candidate endpoint of the pool (model) was full at the last check, else 0.",

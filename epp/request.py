@@ -147,6 +147,8 @@ class RequestPolicy:
     objective_header: str = wire.OBJECTIVE_HEADER
     fairness_header: str = wire.FAIRNESS_HEADER
     objectives: Mapping[str, int] = field(default_factory=dict)
+    # Objectives whose requests may go to an overflow pool (docs/admission.md, spillover).
+    spill_objectives: frozenset[str] = frozenset()
     trusted_headers: bool = True
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
 
@@ -167,6 +169,8 @@ class InferenceRequest:
     priority: int = 0
     # The flow it shares its band's dispatches with (tenant); one flow unless identified.
     fairness_id: str = wire.DEFAULT_FLOW
+    # The configured objective it was given by a trusted source ('' for none).
+    objective: str = ""
     session: str | None = None
     # The LoRA adapter the request runs on (set by the router from the model's configuration).
     lora: str | None = None
@@ -244,7 +248,7 @@ def parse_decoded(
     except RecursionError:
         raise _too_deep() from None
     _check_encodable(prompt)
-    priority, fairness_id = _identity(headers, policy)
+    priority, fairness_id, objective = _identity(headers, policy)
     request = InferenceRequest(
         request_id=headers.get(wire.REQUEST_ID) or os.urandom(12).hex(),
         path=path,
@@ -257,6 +261,7 @@ def parse_decoded(
         stream=_optional(data, "stream", bool) or False,
         priority=priority,
         fairness_id=fairness_id,
+        objective=objective,
         session=headers.get(policy.session_header) or None,
         body_size=len(body),
         headers=headers,
@@ -464,16 +469,22 @@ def _max_tokens(api: Api, data: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _identity(headers: Mapping[str, str], policy: RequestPolicy) -> tuple[int, str]:
-    """Priority and fairness id, from trusted sources only: an untrusted client's headers
-    cannot raise its priority or pose as another tenant."""
+def _identity(headers: Mapping[str, str], policy: RequestPolicy) -> tuple[int, str, str]:
+    """Priority, fairness id and objective name, from trusted sources only: an untrusted
+    client's headers cannot raise its priority, pose as another tenant or claim an objective."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     key = policy.api_keys.get(token.strip()) if scheme.lower() == "bearer" else None
     if key is not None:
-        return policy.objectives.get(key.objective or "", 0), key.tenant
+        objective = key.objective or ""
+        return policy.objectives.get(objective, 0), key.tenant, objective
     if not policy.trusted_headers:
-        return 0, wire.DEFAULT_FLOW
-    return _priority(headers, policy), headers.get(policy.fairness_header) or wire.DEFAULT_FLOW
+        return 0, wire.DEFAULT_FLOW, ""
+    objective = headers.get(policy.objective_header, "")
+    return (
+        _priority(headers, policy),
+        headers.get(policy.fairness_header) or wire.DEFAULT_FLOW,
+        objective if objective in policy.objectives else "",
+    )
 
 
 def _priority(headers: Mapping[str, str], policy: RequestPolicy) -> int:

@@ -19,10 +19,18 @@ from typing import Any
 from epp import errors
 from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
+from epp.admission.spillover import inflight_key
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
-from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS, child
+from epp.observability import (
+    DECISION_SECONDS,
+    PICKS,
+    POOL_SATURATION,
+    REQUESTS,
+    SPILLED,
+    child,
+)
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
 from epp.scheduling.prefix_data import CACHED_TOKENS
@@ -62,6 +70,9 @@ class Router:
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
+        self._overflow = {
+            m: config.spillover.overflow_for(spec.pools) for m, spec in config.models.items()
+        }
         self.demand.policy = config.autoscaling
         self.demand.forget(set(config.pools))
         self._config = config
@@ -85,7 +96,11 @@ class Router:
         """With flow control on, wait until the request's pool has room; raise a 429/503
         :class:`~epp.errors.RequestError` when the queue refuses it. Route right after this
         returns (no await in between), so the dispatcher sees the request in flight."""
-        if self._config.flow_control.mode == "queue" and request.model in self._candidates:
+        if (
+            self._config.flow_control.mode == "queue"
+            and request.model in self._candidates
+            and self.spill_target(request) is None
+        ):
             # Demand counts on arrival, before any wait: requests held for a pool with no
             # ready replica are what must scale it from zero.
             self._arrived(self._candidates[request.model])
@@ -104,6 +119,27 @@ class Router:
         )
         POOL_SATURATION.labels(model).set(float(saturated))
         return saturated
+
+    def spill_target(self, request: InferenceRequest) -> str | None:
+        """The overflow pool ``request`` goes to instead of its saturated home pool, or None
+        (docs/admission.md, spillover). Only spill-eligible objectives ever spill."""
+        config = self._config
+        if request.objective not in config.request.spill_objectives:
+            return None
+        endpoints = self.fleet.store.snapshot().endpoints
+        load = self.fleet.inflight.load
+        now = time.time()
+        return config.spillover.target(
+            self._overflow.get(request.model, ()),
+            lambda: self.pool_saturated(request.model, request.priority < 0),
+            lambda name: config.spillover.saturated(name, endpoints, config.admission, load, now),
+        )
+
+    def spill(self, request: InferenceRequest, overflow: str) -> Ticket:
+        """Count ``request`` in flight to ``overflow`` (released by :meth:`finish`)."""
+        SPILLED.labels(request.model, overflow).inc()
+        REQUESTS.labels(request.model, "spilled").inc()
+        return self.fleet.inflight.add(inflight_key(overflow), request.expected_tokens())
 
     async def prepare(self, request: InferenceRequest) -> None:
         """Await what the profile's plugins need before scoring (a long prompt's tokens); a

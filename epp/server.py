@@ -290,9 +290,12 @@ class Server:
             config = replace(config, pools=pools)
         self.router.config = config
         endpoints = config.endpoint_pools()
+        # Overflow pools' replicas are scraped too (spillover needs to know they have room),
+        # but they are no candidates of ours and no part of the health tracking.
+        scraped = config.spillover.endpoints() | endpoints
         if self.shared is not None:
-            self.shared.set_endpoints(endpoints)
-        self.scraper.set_endpoints(endpoints)
+            self.shared.set_endpoints(scraped)
+        self.scraper.set_endpoints(scraped)
         self.fleet.health.configure(config.health, endpoints)
         self.discovery.export(config.pools)
         return config

@@ -17,8 +17,10 @@ SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 # Reported back by the gateway with the endpoint that actually served the request.
 SERVED = "x-gateway-destination-endpoint-served"
+# The overflow pool epp spills a request to; the route matching it picks that pool's cluster.
+OVERFLOW = "x-epp-overflow"
 # Headers that steer routing between gateway and epp: a client must never set them.
-CONTROL_HEADERS = (DESTINATION, SUBSET_HINT_KEY, SERVED)
+CONTROL_HEADERS = (DESTINATION, SUBSET_HINT_KEY, SERVED, OVERFLOW)
 # Metadata key carrying every candidate's scores when explaining; Envoy echoes it to the client.
 SCORES = "x-epp-scores"
 # A caller asking for the scores proves it may see them with this header (routing.explain_token);

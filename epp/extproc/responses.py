@@ -15,7 +15,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from epp._proto import core_pb2, ext_proc_pb2, http_status_pb2
 from epp.errors import RequestError
-from epp.wire import DESTINATION, LB_NAMESPACE, SCORES
+from epp.wire import DESTINATION, LB_NAMESPACE, OVERFLOW, SCORES
 
 # Envoy accepts streamed body chunks up to 64 KiB; GIE uses 62,000 to leave room for framing.
 MAX_CHUNK = 62_000
@@ -45,9 +45,18 @@ def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
 
 
 def _routing(
-    destination: str, remove: Iterable[str], content_length: int | None, scores: str | None
+    destination: str,
+    remove: Iterable[str],
+    content_length: int | None,
+    scores: str | None,
+    overflow: str | None,
 ) -> tuple[ext_proc_pb2.CommonResponse, Struct]:
-    sets = [_header(DESTINATION, destination)]
+    """The picked endpoints (``destination``), or with ``overflow`` the overflow pool to spill
+    to: no endpoint, the route matching the overflow header sends it to that pool's gateway."""
+    if overflow is not None:
+        sets = [_header(OVERFLOW, overflow)]
+    else:
+        sets = [_header(DESTINATION, destination)]
     if content_length is not None:
         sets.append(_header("content-length", str(content_length)))
     common = ext_proc_pb2.CommonResponse(
@@ -57,28 +66,38 @@ def _routing(
     )
     metadata = Struct()
     fields = metadata.fields[LB_NAMESPACE].struct_value.fields
-    fields[DESTINATION].string_value = destination
+    if overflow is None:
+        fields[DESTINATION].string_value = destination
     if scores is not None:
         fields[SCORES].string_value = scores
     return common, metadata
 
 
 def route_in_headers(
-    destination: str, remove: Iterable[str], content_length: int | None, scores: str | None = None
+    destination: str,
+    remove: Iterable[str],
+    content_length: int | None,
+    scores: str | None = None,
+    overflow: str | None = None,
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the request-headers message (full-duplex mode, or header-only)."""
-    common, metadata = _routing(destination, remove, content_length, scores)
+    common, metadata = _routing(destination, remove, content_length, scores, overflow)
     return ext_proc_pb2.ProcessingResponse(
         request_headers=ext_proc_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
     )
 
 
 def route_in_body(
-    destination: str, remove: Iterable[str], scores: str | None = None, body: bytes | None = None
+    destination: str,
+    remove: Iterable[str],
+    scores: str | None = None,
+    body: bytes | None = None,
+    overflow: str | None = None,
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the buffered request-body message; the body itself is not echoed
     unless epp rewrote it (``body``), which then replaces it along with its Content-Length."""
-    common, metadata = _routing(destination, remove, None if body is None else len(body), scores)
+    length = None if body is None else len(body)
+    common, metadata = _routing(destination, remove, length, scores, overflow)
     if body is not None:
         common.body_mutation.body = body
     return ext_proc_pb2.ProcessingResponse(

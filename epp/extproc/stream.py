@@ -52,6 +52,7 @@ from epp.wire import (
     DESTINATION,
     EXPLAIN,
     LB_NAMESPACE,
+    OVERFLOW,
     SERVED,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -91,6 +92,7 @@ class StreamHandler:
         "_request",
         "_response_full_duplex",
         "_router",
+        "_spilled",
         "_started",
         "_strip_usage",
         "_subset",
@@ -110,6 +112,8 @@ class StreamHandler:
         self._full_duplex = False
         self._response_full_duplex = False
         self._subset: list[str] | None = None
+        # The overflow pool the request was spilled to (no replica of ours serves it).
+        self._spilled: str | None = None
         self._done = False
         # The pick's bookkeeping, run by settle() once the routing answer is out.
         self._deferred: list[Callable[[], None]] = []
@@ -202,7 +206,12 @@ class StreamHandler:
         observer = self._observer = ResponseObserver(self._started, self._strip_usage)
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
-        if self.pick is not None and served is not None and served != self.pick.endpoint:
+        if (
+            self.pick is not None
+            and self._spilled is None
+            and served is not None
+            and served != self.pick.endpoint
+        ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
             # the picked endpoint failed an attempt.
             now = time.time()
@@ -267,7 +276,7 @@ class StreamHandler:
             # is mostly the queue, which must not inflate the service time.
             self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
-        if endpoint is not None:
+        if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
             judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time())
         if self._trace is not None:
@@ -378,6 +387,9 @@ class StreamHandler:
     ) -> Sequence[Response]:
         """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
         rewritten body (the only chunk then) in buffered mode."""
+        overflow = self._router.spill_target(request)
+        if overflow is not None:
+            return self._spill(request, chunks, after, rewritten, overflow)
         fleet = self._router.fleet
         trace = self._trace
         started = time.perf_counter() if trace is not None else 0.0
@@ -421,6 +433,29 @@ class StreamHandler:
 
     def _profile_attributes(self) -> dict[str, str]:
         return {"epp.profile": self._router.config.scheduling.profile}
+
+    def _spill(
+        self,
+        request: InferenceRequest,
+        chunks: Sequence[bytes],
+        after: Sequence[Response],
+        rewritten: bool,
+        overflow: str,
+    ) -> Sequence[Response]:
+        """Send the request to overflow pool ``overflow`` (its home pool is saturated)."""
+        self.pick = PickRecord(self._router.spill(request, overflow))
+        self._spilled = overflow
+        self._request = request
+        remove = [h for h in _present(self._headers, (*CONTROL_HEADERS, EXPLAIN)) if h != OVERFLOW]
+        if self._full_duplex:
+            size = sum(map(len, chunks))
+            return (
+                responses.route_in_headers("", remove, size, overflow=overflow),
+                *responses.stream_back(chunks),
+                *after,
+            )
+        body_out = chunks[0] if rewritten else None
+        return (responses.route_in_body("", remove, body=body_out, overflow=overflow), *after)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epp.devstack import Proc, Stack, http_ok
-from tests.e2e.client import request
+from tests.e2e.client import Reply, completion, metric_values, request
 
 
 def start_replica(stack: Stack, ip: str, port: int) -> Proc:
@@ -48,6 +48,22 @@ def wait_until(check: Callable[[], object], timeout: float, what: str) -> float:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
     return time.monotonic() - started
+
+
+def epp_metric(stack: Stack, index: int, name: str) -> dict[str, float]:
+    """Samples of one metric of epp ``index``, keyed by their label text."""
+    return metric_values(f"http://127.0.0.1:{stack.epp_ports[index][2]}/metrics", name)
+
+
+def completion_in_background(
+    url: str, into: list[Reply], prompt: str, **headers: str
+) -> threading.Thread:
+    """Send a completion from a thread; its reply is appended to ``into``."""
+    thread = threading.Thread(
+        target=lambda: into.append(completion(url, prompt, 2, **headers)), daemon=True
+    )
+    thread.start()
+    return thread
 
 
 def envoy_ready(stack: Stack) -> bool:

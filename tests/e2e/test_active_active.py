@@ -24,6 +24,7 @@ import redis
 from epp.devstack import Stack, http_ok
 from epp.scheduling import plugin_types
 from tests.e2e.client import completion, metric_values, request
+from tests.e2e.fleet import epp_metric
 from tests.helpers import redis_servers
 
 pytestmark = pytest.mark.skipif(not redis_servers.available(), reason="redis-server not installed")
@@ -77,10 +78,6 @@ def own_redis(tmp_path: Path) -> Iterator[redis_servers.RedisServer]:
     server = redis_servers.RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
-
-
-def epp_metric(stack: Stack, index: int, name: str) -> dict[str, float]:
-    return metric_values(f"http://127.0.0.1:{stack.epp_ports[index][2]}/metrics", name)
 
 
 def picks(stack: Stack, index: int) -> Counter[str]:

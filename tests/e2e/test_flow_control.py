@@ -4,25 +4,20 @@ leaves, capacity (429), TTL (503) and untrusted priority headers."""
 from __future__ import annotations
 
 import http.client
-import threading
 from pathlib import Path
 
 from epp.devstack import Stack
 from tests.e2e.client import Reply, completion, metric_values
 from tests.e2e.conftest import make_stack
-from tests.e2e.fleet import wait_until
+from tests.e2e.fleet import completion_in_background, epp_metric, wait_until
 from tests.e2e.test_routing import set_fault
 
 TTL = 3.0
 
 
-def _epp_metric(stack: Stack, name: str) -> dict[str, float]:
-    return metric_values(f"http://127.0.0.1:{stack.epp_ports[0][2]}/metrics", name)
-
-
 def _queued(stack: Stack) -> dict[str, float]:
     """Held requests by label text (non-zero only)."""
-    samples = _epp_metric(stack, "inference_extension_flow_control_queue_size")
+    samples = epp_metric(stack, 0, "inference_extension_flow_control_queue_size")
     return {labels: v for labels, v in samples.items() if v}
 
 
@@ -32,14 +27,6 @@ def _replica_requests(stack: Stack) -> float:
         sum(metric_values(f"http://{a}/metrics", "vllm:request_prompt_tokens_count").values())
         for a in stack.replica_addresses
     )
-
-
-def _background(url: str, results: list[Reply], prompt: str, **headers: str) -> threading.Thread:
-    thread = threading.Thread(
-        target=lambda: results.append(completion(url, prompt, 2, **headers)), daemon=True
-    )
-    thread.start()
-    return thread
 
 
 def test_flow_control_holds_dispatches_and_refuses(tmp_path: Path) -> None:
@@ -59,9 +46,9 @@ def test_flow_control_holds_dispatches_and_refuses(tmp_path: Path) -> None:
         for address in stack.replica_addresses:
             set_fault(address, hang=True)
         fills: list[Reply] = []
-        fill_threads = [_background(stack.url, fills, f"fill {i}") for i in range(2)]
+        fill_threads = [completion_in_background(stack.url, fills, f"fill {i}") for i in range(2)]
         wait_until(
-            lambda: sum(_epp_metric(stack, "epp_endpoint_picks_total").values()) == 2,
+            lambda: sum(epp_metric(stack, 0, "epp_endpoint_picks_total").values()) == 2,
             10,
             "both replicas hold one request",
         )
@@ -81,9 +68,9 @@ def test_flow_control_holds_dispatches_and_refuses(tmp_path: Path) -> None:
 
         # Untrusted priority and objective headers are ignored: held in band 0, default flow.
         held: list[Reply] = []
-        _background(stack.url, held, "claims priority", **{"x-priority": "10"})
+        completion_in_background(stack.url, held, "claims priority", **{"x-priority": "10"})
         objective = {"x-gateway-inference-objective": "critical"}
-        _background(stack.url, held, "claims objective", **objective)
+        completion_in_background(stack.url, held, "claims objective", **objective)
         wait_until(lambda: sum(_queued(stack).values()) == 2, 5, "two requests held")
         assert all('priority="0"' in labels for labels in _queued(stack)), _queued(stack)
 
@@ -105,7 +92,7 @@ def test_flow_control_holds_dispatches_and_refuses(tmp_path: Path) -> None:
 
         # A held request is dispatched as soon as a replica has room again.
         waiting: list[Reply] = []
-        _background(stack.url, waiting, "waits for room")
+        completion_in_background(stack.url, waiting, "waits for room")
         wait_until(lambda: sum(_queued(stack).values()) == 1, 5, "one request held")
         for address in stack.replica_addresses:
             set_fault(address, hang=False)
