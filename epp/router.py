@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epp import errors
@@ -28,6 +28,8 @@ from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
+from epp.state.latency import Basis, ttft_features
+from epp.state.moves import PickRecord
 
 log = logging.getLogger("epp.router")
 
@@ -46,6 +48,12 @@ class Router:
         self.flow = FlowController(QueueLimits(), self.pool_saturated)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # The last capacities handed to scorers: (learned, configured, merged).
+        self._weights: tuple[Mapping[str, float], Mapping[str, float], Mapping[str, float]] = (
+            {},
+            {},
+            {},
+        )
 
     @property
     def config(self) -> Config:
@@ -137,7 +145,7 @@ class Router:
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
         self._arrived(candidates)
-        cycle = Cycle(snapshot, self.fleet, config.weights)
+        cycle = Cycle(snapshot, self.fleet, self._capacities(config))
         if (
             config.flow_control.mode == "shed"
             and request.priority < 0
@@ -161,12 +169,51 @@ class Router:
         first = decision.endpoints[0]
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
-        ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
+        uncached = max(0, request.prompt_tokens() - cached)
+        inflight = self.fleet.inflight
+        features = ttft_features(uncached, inflight.load(first.address), first)
+        basis = Basis(features, self.fleet.latency.predict_ttft(first.address, features, cycle.now))
+        ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
+
+    def _capacities(self, config: Config) -> Mapping[str, float]:
+        """Endpoint capacities for scorers: configured weights, and where a pool gives none
+        the latency model's learned ones (``routing.learned_capacity``)."""
+        if not config.routing.learned_capacity:
+            return config.weights
+        learned = self.fleet.latency.capacities(time.time())
+        last_learned, last_configured, merged = self._weights
+        if learned is not last_learned or config.weights is not last_configured:
+            merged = {**learned, **config.weights}
+            self._weights = (learned, config.weights, merged)
+        return merged
+
+    def first_token(self, pick: PickRecord, at: float) -> None:
+        """The response of ``pick`` delivered its first token at ``at`` (the clock of
+        ``pick.picked_at``): its prefill is no longer queued, and the latency model learns how
+        long it took."""
+        ticket = pick.ticket
+        if not ticket.waiting:
+            return
+        inflight = self.fleet.inflight
+        pick.ticket = inflight.prefilled(ticket)
+        pick.decoding = inflight.load(ticket.endpoint).decoding
+        if ticket.basis is not None:
+            self.fleet.latency.observe_ttft(
+                ticket.endpoint, ticket.basis, at - pick.picked_at, time.time()
+            )
+
+    def decoded(self, pick: PickRecord, tpot: float) -> None:
+        """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
+        if pick.ticket.basis is None or not pick.decoding:
+            return
+        endpoint = pick.ticket.endpoint
+        batch = (pick.decoding + self.fleet.inflight.load(endpoint).decoding) / 2
+        self.fleet.latency.observe_tpot(endpoint, batch, tpot, time.time())
 
     def _remember(self, request: InferenceRequest, decision: Decision) -> None:
         record = {

@@ -288,6 +288,7 @@ class Server:
             self.shared.set_endpoints(endpoints)
         self.scraper.set_endpoints(endpoints)
         self.fleet.health.configure(config.health, endpoints)
+        self.fleet.latency.configure(config.weights, endpoints)
         self.discovery.export(config.pools)
         return config
 

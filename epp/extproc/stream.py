@@ -194,6 +194,9 @@ class StreamHandler:
         forward = None
         if observer is not None:
             forward = observer.on_body(body.body, self._clock(), body.end_of_stream)
+            first = observer.first_token
+            if first is not None and self.pick is not None and self.pick.ticket.waiting:
+                self._router.first_token(self.pick, first)
             if body.end_of_stream or observer.body_complete:
                 self.close(complete=True)
         if not self._response_full_duplex:
@@ -219,6 +222,8 @@ class StreamHandler:
             # A stream's time after its first token is the replica's work; the time before it
             # is mostly the queue, which must not inflate the service time.
             self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
+            if outcome.tpot is not None and self.pick is not None:
+                self._router.decoded(self.pick, outcome.tpot)
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None:
             fleet = self._router.fleet
@@ -304,7 +309,7 @@ class StreamHandler:
                 decision, ticket = self._router.route(request, self._subset)
         except RequestError as error:
             return (self._refuse(error), *after)
-        self.pick = PickRecord(ticket, request.session, learned)
+        self.pick = PickRecord(ticket, request.session, learned, self._clock())
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
         OBJECTIVE_REQUESTS.labels(request.model, request.model).inc()
