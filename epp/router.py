@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -21,15 +22,24 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.config import Config
 from epp.metrics.demand import PoolDemand
-from epp.observability import DECISION_SECONDS, PICKS, POOL_SATURATION, REQUESTS
+from epp.observability import (
+    DECISION_SECONDS,
+    LATENCY_TARGETS,
+    PICKS,
+    POOL_SATURATION,
+    REQUESTS,
+)
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
+from epp.scheduling.filters.latency_target import LatencyTargetFilter
 from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.scheduling.scorers.latency import LATENCY_TARGET
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
 from epp.state.latency import Basis, ttft_features
 from epp.state.moves import PickRecord
+from epp.wire import SLO_TTFT_HEADER
 
 log = logging.getLogger("epp.router")
 
@@ -63,6 +73,10 @@ class Router:
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once.
         self._profile = build_profile(config.scheduling.selected)
+        self._default_target = next(
+            (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
+            None,
+        )
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
@@ -146,6 +160,9 @@ class Router:
         ]
         self._arrived(candidates)
         cycle = Cycle(snapshot, self.fleet, self._capacities(config))
+        target = self._target(request, config)
+        if target is not None:
+            cycle.put(LATENCY_TARGET, target)
         if (
             config.flow_control.mode == "shed"
             and request.priority < 0
@@ -161,6 +178,10 @@ class Router:
             explain,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
+        if not decision.endpoints and decision.refusal is not None:
+            if target is not None:
+                LATENCY_TARGETS.labels("refused").inc()
+            raise decision.refusal
         if not decision.endpoints:
             ready = sum(1 for c in candidates if c.ready)
             raise errors.no_endpoint(
@@ -172,13 +193,27 @@ class Router:
         uncached = max(0, request.prompt_tokens() - cached)
         inflight = self.fleet.inflight
         features = ttft_features(uncached, inflight.load(first.address), first)
-        basis = Basis(features, self.fleet.latency.predict_ttft(first.address, features, cycle.now))
+        predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
+        basis = Basis(features, predicted, target)
         ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         PICKS.labels(first.pool, first.address).inc()
         REQUESTS.labels(request.model, "routed").inc()
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
+
+    def _target(self, request: InferenceRequest, config: Config) -> float | None:
+        """The request's TTFT target in seconds: a trusted caller's header, else the
+        profile's default (the latency-target-filter's ``ttft_ms``), else None."""
+        raw = request.headers.get(SLO_TTFT_HEADER) if config.request.trusted_headers else None
+        if raw is not None:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value) and value > 0:
+                return value / 1000
+        return self._default_target
 
     def _capacities(self, config: Config) -> Mapping[str, float]:
         """Endpoint capacities for scorers: configured weights, and where a pool gives none
@@ -202,10 +237,12 @@ class Router:
         inflight = self.fleet.inflight
         pick.ticket = inflight.prefilled(ticket)
         pick.decoding = inflight.load(ticket.endpoint).decoding
-        if ticket.basis is not None:
-            self.fleet.latency.observe_ttft(
-                ticket.endpoint, ticket.basis, at - pick.picked_at, time.time()
-            )
+        basis = ticket.basis
+        if basis is not None:
+            seconds = at - pick.picked_at
+            self.fleet.latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
+            if basis.target is not None:
+                LATENCY_TARGETS.labels("met" if seconds <= basis.target else "missed").inc()
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:
         """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""

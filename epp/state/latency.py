@@ -68,10 +68,12 @@ REFERENCE_TOKENS = 2000.0
 
 @dataclass(frozen=True, slots=True)
 class Basis:
-    """What the model saw when a request was picked: its TTFT features and prediction."""
+    """What the model saw when a request was picked: its TTFT features and prediction, and
+    its TTFT target in seconds (None: none)."""
 
     features: tuple[float, ...]
     predicted: float
+    target: float | None = None
 
 
 @dataclass(slots=True)

@@ -42,6 +42,9 @@ class Prediction:
 PREDICTED_LATENCY: DataKey[Mapping[str, Prediction]] = DataKey(
     "predicted TTFT and TPOT per endpoint"
 )
+# The request's TTFT target in seconds, when it has one (set by the router: a trusted
+# x-llm-d-slo-ttft-ms header, else the latency-target-filter's default).
+LATENCY_TARGET: DataKey[float] = DataKey("the request's TTFT target")
 
 
 @dataclass(frozen=True, slots=True)
