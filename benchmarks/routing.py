@@ -154,6 +154,7 @@ def summarize(
     run: StageRun,
     delta: dict[str, dict[str, float]],
     cpu: tuple[float, float],
+    slo: float = math.inf,
 ) -> Row:
     ok = [o for o in run.outcomes if o.ok]
     ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
@@ -182,6 +183,7 @@ def summarize(
         router_cpu=cpu[1],
         send_lag=run.max_send_lag_s,
         first_error=errors[0] if errors else "",
+        slo_met=sum(1 for t in ttfts if t <= slo) / len(run.outcomes) if run.outcomes else math.nan,
     )
 
 
@@ -238,7 +240,7 @@ def measure(
                 (cpu_seconds(router_pids) - cpu_before[1]) / wall,
             )
             delta = {a: {k: after[a][k] - before[a][k] for k in COUNTERS} for a in after}
-            row = summarize(workload.name, router.name, stage, run, delta, cpu)
+            row = summarize(workload.name, router.name, stage, run, delta, cpu, args.slo)
             print(progress_line(row), flush=True)
             if after_stage is not None:
                 after_stage(stack, row)
