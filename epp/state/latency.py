@@ -235,17 +235,28 @@ class _Model:
         self.dirty = True
 
 
-def ttft_features(uncached: float, load: Load, endpoint: EndpointState) -> tuple[float, ...]:
-    """The TTFT model's inputs for a request of ``uncached`` prompt tokens on ``endpoint``.
+def queue_and_batch(uncached: float, load: Load, endpoint: EndpointState) -> tuple[float, int]:
+    """Prefill tokens queued ahead of a new request on ``endpoint`` and requests decoding there.
 
-    Queued prefill and the decode batch are what epp has in flight there (all processes), or
-    the scraped queue when that is larger (work other gateways sent): scraped waiting requests
-    count at the mean size of epp's own waiting ones (``uncached`` when it has none).
+    Both are what epp has in flight there (all processes), or the scraped queue when that is
+    larger (work other gateways sent): scraped waiting requests count at the mean size of
+    epp's own waiting ones (``uncached`` when it has none).
     """
     metrics = endpoint.metrics
-    per_request = load.prefill / load.waiting if load.waiting else uncached
-    queued = max(float(load.prefill), metrics.waiting * per_request)
-    decoding = max(load.decoding, metrics.running - min(metrics.running, load.waiting))
+    waiting = load.waiting
+    queued = float(load.prefill)
+    if metrics.waiting:
+        scraped = metrics.waiting * (load.prefill / waiting if waiting else uncached)
+        if scraped > queued:
+            queued = scraped
+    decoding = load.requests - waiting
+    running = metrics.running - min(metrics.running, waiting)
+    return queued, max(decoding, running, 0)
+
+
+def ttft_features(uncached: float, load: Load, endpoint: EndpointState) -> tuple[float, ...]:
+    """The TTFT model's inputs for a request of ``uncached`` prompt tokens on ``endpoint``."""
+    queued, decoding = queue_and_batch(uncached, load, endpoint)
     return (1.0, uncached / TOKENS_UNIT, queued / TOKENS_UNIT, decoding / REQUESTS_UNIT)
 
 
@@ -295,6 +306,19 @@ class LatencyModel:
                 _Model(ttft, Stats(len(ttft))), _Model(tpot, Stats(len(tpot)))
             )
         return state
+
+    def predict(
+        self, uncached: float, load: Load, endpoint: EndpointState, now: float
+    ) -> tuple[float, float]:
+        """This request's (TTFT, TPOT) on ``endpoint``: the scorer's per-candidate call, so
+        written out rather than through :func:`ttft_features` (decision time)."""
+        address = endpoint.address
+        state = self._endpoints.get(address) or self._get(address)
+        a, b, c, e = state.ttft.coefficients(now)
+        d, f = state.tpot.coefficients(now)
+        queued, decoding = queue_and_batch(uncached, load, endpoint)
+        ttft = a + (b * uncached + c * queued) / TOKENS_UNIT + e * decoding / REQUESTS_UNIT
+        return ttft, d + f * (decoding + 1) / REQUESTS_UNIT
 
     def predict_ttft(self, address: str, features: Sequence[float], now: float) -> float:
         return _dot(self._get(address).ttft.coefficients(now), features)

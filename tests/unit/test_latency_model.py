@@ -120,3 +120,14 @@ def test_scraped_queue_floors_epps_own_view() -> None:
     assert features[3] == pytest.approx(1.0)  # 10 decoding, in tens
     own = Load(requests=6, prefill=3000, waiting=6)
     assert ttft_features(1000, own, busy)[2] == pytest.approx(3.0)
+
+
+def test_the_scorers_prediction_is_the_models() -> None:
+    """``predict`` (written out for decision time) agrees with the learned linear model."""
+    model = LatencyModel()
+    now = feed(model, SLOW, 5_000, 100, 0.0, random.Random(5))
+    endpoint = EndpointState(SLOW, "p", True, EndpointMetrics(waiting=2, running=7))
+    load = Load(requests=4, prefill=1500, waiting=1)
+    ttft, tpot = model.predict(800, load, endpoint, now)
+    assert ttft == pytest.approx(model.predict_ttft(SLOW, ttft_features(800, load, endpoint), now))
+    assert tpot == pytest.approx(model.predict_tpot(SLOW, 7, now))  # 6 decoding + this one

@@ -27,7 +27,6 @@ from epp.scheduling.data import DataKey, Input
 from epp.scheduling.framework import Cycle, Producer, Scorer, register
 from epp.scheduling.params import Params, param
 from epp.scheduling.prefix_data import CACHED_TOKENS
-from epp.state.latency import ttft_features
 from epp.state.snapshot import EndpointState
 
 
@@ -78,12 +77,8 @@ class PredictedLatencyScorer(Producer, Scorer):
         out = {}
         for c in candidates:
             address = c.address
-            load = inflight.load(address)
-            features = ttft_features(max(0, prompt - cached.get(address, 0)), load, c)
-            out[address] = Prediction(
-                model.predict_ttft(address, features, now),
-                model.predict_tpot(address, load.decoding + 1, now),
-            )
+            uncached = max(0, prompt - cached.get(address, 0))
+            out[address] = Prediction(*model.predict(uncached, inflight.load(address), c, now))
         cycle.put(PREDICTED_LATENCY, out)
 
     def score(
