@@ -115,6 +115,18 @@ async def _send(
     return out
 
 
+async def _send_after(
+    previous: asyncio.Task[Outcome],
+    session: aiohttp.ClientSession,
+    url: str,
+    request: Request,
+    limit_s: float,
+) -> Outcome:
+    """Send once ``previous`` (the conversation's last turn) has been answered."""
+    await asyncio.wait([previous])
+    return await _send(session, url, request, limit_s)
+
+
 async def run_stage(
     url: str,
     requests: Sequence[Request],
@@ -122,9 +134,13 @@ async def run_stage(
     *,
     request_timeout: float,
     drain_timeout: float,
+    after: Sequence[int | None] | None = None,
 ) -> StageRun:
     """Send ``requests[i]`` at ``arrivals[i]`` seconds, then wait (bounded) for all to finish.
 
+    ``after[i]``, when given and not None, is the index of an earlier request that must have
+    been answered first (a chat turn waits for the previous reply): request i is then sent at
+    its arrival or when that one ends, whichever is later, and its TTFT counts from then.
     Requests still running ``drain_timeout`` seconds after the last send are cancelled and
     counted as errors, so a saturated router cannot stretch a run without bound.
     """
@@ -138,13 +154,19 @@ async def run_stage(
         start = loop.time()
         tasks: list[asyncio.Task[Outcome]] = []
         lag = 0.0
-        for request, at in zip(requests, arrivals, strict=True):
+        for i, (request, at) in enumerate(zip(requests, arrivals, strict=True)):
             delay = start + at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             else:
                 lag = max(lag, -delay)
-            tasks.append(asyncio.create_task(_send(session, url, request, request_timeout)))
+            previous = after[i] if after is not None else None
+            send = (
+                _send(session, url, request, request_timeout)
+                if previous is None
+                else _send_after(tasks[previous], session, url, request, request_timeout)
+            )
+            tasks.append(asyncio.create_task(send))
         _, pending = await asyncio.wait(tasks, timeout=drain_timeout) if tasks else (set(), set())
         for task in pending:
             task.cancel()

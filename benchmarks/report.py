@@ -35,6 +35,8 @@ class Row:
     send_lag: float  # worst lateness of the load generator against its schedule
     first_error: str = ""
     rep: int = 0  # which repetition (``--repeat``) measured this row
+    # Share of the stage's requests answered with a TTFT within ``--slo`` (failures miss it).
+    slo_met: float = math.nan
 
 
 # Fields a median of repetitions is not taken of: identity (a merged row keeps its first

@@ -57,6 +57,11 @@ class Fleet:
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
     sim_processes: int = 1
+    # Each replica's compute speed (`epp sim --speed`); empty: all 1.0.
+    speeds: tuple[float, ...] = ()
+
+    def speed(self, replica: int) -> float:
+        return self.speeds[replica] if self.speeds else 1.0
 
     def sim_args(self) -> list[str]:
         args = [
@@ -93,6 +98,8 @@ class FleetStack(Stack):
     sim_processes: int = 1
     # Replica i publishes vLLM KV events on tcp://*:kv_events_base + i (None: no events).
     kv_events_base: int | None = None
+    # Replica i computes at speeds[i] (empty: the profile's speed).
+    speeds: tuple[float, ...] = ()
 
     def start_sims(self) -> None:
         assert self.sim_base_port is not None
@@ -115,6 +122,9 @@ class FleetStack(Stack):
             ]
             if self.kv_events_base is not None:
                 argv += ["--kv-events-endpoint", f"tcp://*:{self.kv_events_base + first}"]
+            if self.speeds:
+                shard_speeds = self.speeds[first : first + per]
+                argv += ["--speed", ",".join(f"{v:g}" for v in shard_speeds)]
             self.spawn(f"sim{shard}", argv)
 
 
@@ -162,6 +172,7 @@ class Router(abc.ABC):
             sim_args=fleet.sim_args(),
             model=MODEL,
             sim_processes=fleet.sim_processes,
+            speeds=fleet.speeds,
         )
 
     @abc.abstractmethod
@@ -281,16 +292,16 @@ def _split(address: str) -> tuple[str, int]:
 class EppProfile(Router):
     """epp behind Envoy with a scheduling profile from benchmarks/profiles/NAME.yaml."""
 
-    def __init__(self, profile: str) -> None:
+    def __init__(self, profile: str, directory: Path = PROFILES_DIR) -> None:
         self.name = profile
-        self.path = PROFILES_DIR / f"{profile}.yaml"
+        self.path = directory / f"{profile}.yaml"
         self.spec: dict[str, Any] = (
             yaml.safe_load(self.path.read_text()) if self.path.is_file() else {}
         )
 
     def label(self) -> str:
         about = self.spec.get("description", "")
-        return f"epp behind Envoy, profile `benchmarks/profiles/{self.path.name}`: {about}"
+        return f"epp behind Envoy, profile `{self.path.relative_to(ROOT)}`: {about}"
 
     def config_extra(
         self, fleet: Fleet, addresses: list[str], kv_base: int | None
@@ -302,11 +313,17 @@ class EppProfile(Router):
         if self.spec.get("tokenizer"):
             base["tokenizer"] = str(BUNDLED_DIR)
         extra["models"] = {MODEL: base} | {n: base | {"lora": True} for n in fleet.lora_modules}
-        if kv_base is not None:
-            endpoints = [
-                {"address": a, "kv_events": f"tcp://127.0.0.1:{kv_base + i}"}
-                for i, a in enumerate(addresses)
-            ]
+        weighted = bool(self.spec.get("speed_weights")) and bool(fleet.speeds)
+        if kv_base is not None or weighted:
+            endpoints: list[dict[str, Any]] = []
+            for i, address in enumerate(addresses):
+                endpoint: dict[str, Any] = {"address": address}
+                if kv_base is not None:
+                    endpoint["kv_events"] = f"tcp://127.0.0.1:{kv_base + i}"
+                if weighted:
+                    # Hand-set capacity: the weight a operator would write for this hardware.
+                    endpoint["weight"] = fleet.speed(i)
+                endpoints.append(endpoint)
             extra["pools"] = {"main": {"endpoints": endpoints}}
         return extra
 

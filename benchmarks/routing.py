@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,11 +63,14 @@ RATES = {
     # The LoRA mix needs little KV: cache-aware routers only part ways past ~32/s, and epp's
     # profiles still serve 48/s in full (so its throughput there is the offered load).
     "lora": [16.0, 32.0, 48.0, 64.0],
+    # Not in the default run: the learned-latency benchmark's workload (benchmarks.learned).
+    "mixed": [8.0, 16.0],
 }
 # --quick: one stage past round robin's saturation, so routing still shows; shared-prefix only
 # unless --workloads says otherwise (every router x workload pair restarts a fleet).
-QUICK_RATES = {"shared-prefix": [12.0], "multi-turn": [12.0], "lora": [12.0]}
+QUICK_RATES = {"shared-prefix": [12.0], "multi-turn": [12.0], "lora": [12.0], "mixed": [12.0]}
 QUICK_WORKLOADS = ["shared-prefix"]
+DEFAULT_WORKLOADS = ["shared-prefix", "multi-turn", "lora"]
 COUNTERS = (
     "vllm:prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total",
@@ -86,6 +89,17 @@ class Stage:
     items: list[Item]
     arrivals: list[float]
     oracle_hit_rate: float
+
+    def after(self) -> list[int | None] | None:
+        """For each request, the earlier one of its conversation it waits for (None when
+        the workload has no waiting turns)."""
+        last: dict[str, int] = {}
+        out: list[int | None] = []
+        for i, item in enumerate(self.items):
+            out.append(None if item.follows is None else last.get(item.follows))
+            if item.follows is not None:
+                last[item.follows] = i
+        return out if any(a is not None for a in out) else None
 
 
 def plan(workload: Workload, rates: Sequence[float], duration: float, fleet: Fleet) -> list[Stage]:
@@ -140,6 +154,7 @@ def summarize(
     run: StageRun,
     delta: dict[str, dict[str, float]],
     cpu: tuple[float, float],
+    slo: float = math.inf,
 ) -> Row:
     ok = [o for o in run.outcomes if o.ok]
     ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
@@ -168,6 +183,7 @@ def summarize(
         router_cpu=cpu[1],
         send_lag=run.max_send_lag_s,
         first_error=errors[0] if errors else "",
+        slo_met=sum(1 for t in ttfts if t <= slo) / len(run.outcomes) if run.outcomes else math.nan,
     )
 
 
@@ -186,8 +202,10 @@ def measure(
     fleet: Fleet,
     args: argparse.Namespace,
     workdir: Path,
+    after_stage: Callable[[FleetStack, Row], None] | None = None,
 ) -> list[Row]:
-    """Fresh fleet + router, then every stage in order; everything is stopped on the way out."""
+    """Fresh fleet + router, then every stage in order; everything is stopped on the way out.
+    ``after_stage`` sees the running stack after each stage (to read the router's state)."""
     stack: FleetStack = router.stack(workdir, fleet)
     started = time.monotonic()
     try:
@@ -206,6 +224,7 @@ def measure(
                 stage.arrivals,
                 request_timeout=args.request_timeout,
                 drain_timeout=args.drain_timeout,
+                after=stage.after(),
             )
             trace = ""
             if args.trace:
@@ -221,8 +240,10 @@ def measure(
                 (cpu_seconds(router_pids) - cpu_before[1]) / wall,
             )
             delta = {a: {k: after[a][k] - before[a][k] for k in COUNTERS} for a in after}
-            row = summarize(workload.name, router.name, stage, run, delta, cpu)
+            row = summarize(workload.name, router.name, stage, run, delta, cpu, args.slo)
             print(progress_line(row), flush=True)
+            if after_stage is not None:
+                after_stage(stack, row)
             if trace:
                 print(trace, flush=True)
             rows.append(row)
@@ -246,6 +267,7 @@ def make_fleet(args: argparse.Namespace, workload: Workload) -> Fleet:
         lora_modules=tuple(adapters),
         max_loras=max_loras,
         sim_processes=args.sim_processes,
+        speeds=tuple(float(v) for v in args.speeds.split(",")) if args.speeds else (),
     )
 
 
@@ -270,7 +292,12 @@ def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespa
     per_replica = (fleet.num_gpu_blocks - 1) * fleet.block_size
     lines = [
         f"- Fleet: {fleet.replicas} simulated vLLM replicas (`epp sim {' '.join(fleet.sim_args())}`"
-        f"): {per_replica:,} cacheable tokens each, {fleet.kv_tokens:,} in all.",
+        f"): {per_replica:,} cacheable tokens each, {fleet.kv_tokens:,} in all"
+        + (
+            f"; compute speeds {', '.join(f'{v:g}' for v in fleet.speeds)} (`--speed`)."
+            if fleet.speeds
+            else "."
+        ),
         f"- Stages of {args.duration:g} s of open-loop Poisson arrivals per rate; each request "
         f"times out after {args.request_timeout:g} s; requests still running "
         f"{args.drain_timeout:g} s after a stage's last send count as errors.",
@@ -366,6 +393,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument(
+        "--speeds",
+        help="each replica's compute speed, comma list (a heterogeneous fleet: 1,0.5,1,0.5,...)",
+    )
+    parser.add_argument(
         "--sim-processes", type=int, default=2, help="simulator processes the fleet is split over"
     )
     parser.add_argument("--profile", default="h100", help="simulator hardware profile")
@@ -404,6 +435,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.speeds and len(args.speeds.split(",")) != args.replicas:
+        parser.error(f"--speeds needs one factor per replica ({args.replicas})")
     if args.duration is None:
         args.duration = 6.0 if args.quick else 12.0
     return args
@@ -411,7 +444,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, command: str) -> Run:
     names = args.workloads.split(",") if args.workloads else None
-    names = names or (QUICK_WORKLOADS if args.quick else list(WORKLOADS))
+    names = names or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     workloads = [WORKLOADS[n](seed=args.seed) for n in names]
     routers = all_routers()
     if args.routers:

@@ -12,6 +12,8 @@ footprints and the oracle's cache model are exact rather than estimated from cha
   header carries the conversation id.
 - ``lora``: completions on several LoRA adapters (Zipf popularity), each adapter with its own
   task prompt; the fleet keeps fewer adapters resident (``--max-loras``) than there are.
+- ``mixed``: shared-prefix groups of Zipf popularity beside chat conversations with their own
+  system prompts, whose turns wait for the previous reply.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Item:
     key: str
     prompt_ids: tuple[int, ...]
     lora: str | None = None
+    # A chat turn's conversation: the turn is sent only once the previous one was answered.
+    follows: str | None = None
 
 
 def _body(**fields: object) -> bytes:
@@ -225,9 +229,104 @@ class LoraMix:
             )
 
 
-Workload = SharedPrefix | MultiTurn | LoraMix
+@dataclass
+class Mixed:
+    """Shared-prefix groups of Zipf popularity beside chat conversations, each with its own
+    system prompt, whose turns wait for the previous reply (closed loop per conversation):
+    nobody tuned for it, and it mixes long cold prefills with short cached turns."""
+
+    groups: int = 16
+    users: int = 8
+    system_tokens: int = 2048
+    question_tokens: int = 256
+    zipf_s: float = 1.0
+    conversations: int = 16
+    turns: int = 6
+    chat_system_tokens: int = 512
+    first_user_tokens: int = 1024
+    user_tokens: int = 96
+    output_tokens: int = 128
+    chat_share: float = 0.5
+    seed: int = 0
+    name: str = "mixed"
+
+    def describe(self) -> str:
+        return (
+            f"{100 * (1 - self.chat_share):.0f}% shared-prefix ({self.groups} groups, Zipf "
+            f"s={self.zipf_s}, system prompt {self.system_tokens} + question "
+            f"{self.question_tokens}), {100 * self.chat_share:.0f}% chat ({self.conversations} "
+            f"conversations x {self.turns} turns, own system prompt {self.chat_system_tokens}, "
+            f"first message {self.first_user_tokens}, later {self.user_tokens}; a turn waits "
+            f"for the previous reply), output {self.output_tokens} tokens"
+        )
+
+    def shared_tokens(self) -> int:
+        per_turn = self.user_tokens + self.output_tokens
+        chat = self.chat_system_tokens + self.first_user_tokens + per_turn * self.turns / 2
+        return int(self.groups * self.system_tokens + self.conversations * chat)
+
+    def loras(self) -> tuple[list[str], int]:
+        return [], 1
+
+    def stream(self) -> Iterator[Item]:
+        rng = random.Random(self.seed)
+        systems = [text(rng, self.system_tokens) for _ in range(self.groups)]
+        weights = [1 / (g + 1) ** self.zipf_s for g in range(self.groups)]
+        started = 0
+
+        def group_item(g: int) -> Item:
+            prompt = f"{systems[g]}\n\n{text(rng, self.question_tokens)}"
+            return Item(
+                Request(
+                    "/v1/completions",
+                    _body(model=MODEL, prompt=prompt, max_tokens=self.output_tokens),
+                ),
+                key=f"group-{g}",
+                prompt_ids=tuple(tokenizer().encode(prompt)),
+            )
+
+        def conversation() -> Iterator[Item]:
+            nonlocal started
+            conv = f"conv-{started}"
+            started += 1
+            messages = [
+                {"role": "system", "content": text(rng, self.chat_system_tokens)},
+                {"role": "user", "content": text(rng, self.first_user_tokens)},
+            ]
+            for turn in range(self.turns):
+                if turn:
+                    messages += [
+                        {"role": "assistant", "content": text(rng, self.output_tokens)},
+                        {"role": "user", "content": text(rng, self.user_tokens)},
+                    ]
+                yield Item(
+                    Request(
+                        "/v1/chat/completions",
+                        _body(model=MODEL, messages=messages, max_tokens=self.output_tokens),
+                        {SESSION_HEADER: conv},
+                    ),
+                    key=conv,
+                    prompt_ids=tuple(tokenizer().encode_chat(messages)),
+                    follows=conv,
+                )
+
+        active = [conversation() for _ in range(self.conversations)]
+        while True:
+            if rng.random() >= self.chat_share:
+                yield group_item(rng.choices(range(self.groups), weights)[0])
+                continue
+            i = rng.randrange(len(active))
+            item = next(active[i], None)
+            if item is None:
+                active[i] = conversation()
+                item = next(active[i])
+            yield item
+
+
+Workload = SharedPrefix | MultiTurn | LoraMix | Mixed
 WORKLOADS: dict[str, type[Workload]] = {
     "shared-prefix": SharedPrefix,
     "multi-turn": MultiTurn,
     "lora": LoraMix,
+    "mixed": Mixed,
 }

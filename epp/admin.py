@@ -2,7 +2,7 @@
 
 - ``GET /metrics``: Prometheus exposition.
 - ``GET /debug/endpoints``: every endpoint as epp sees it now (ready, scraped metrics, age, the
-  in-flight work epp routed to it, its passive-health circuit).
+  in-flight work epp routed to it, its passive-health circuit, its learned latency model).
 - ``GET /debug/decisions`` and ``/debug/decisions/{request_id}``: why recent requests went where
   they did (every candidate's weighted scores), kept when ``routing.explain`` is on or the log
   level is debug. Clients can send their own ``x-request-id`` to find their request.
@@ -51,6 +51,7 @@ def build_app(router: Router, server: ServerConfig | None = None) -> web.Applica
                 "metrics": _jsonable(dataclasses.asdict(state.metrics)),
                 "in_flight": dataclasses.asdict(inflight.load(address)),
                 "health": router.fleet.health.describe(address, now),
+                "latency": router.fleet.latency.describe(address, now),
             }
             for address, state in sorted(router.fleet.store.snapshot().endpoints.items())
         }

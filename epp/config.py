@@ -12,7 +12,8 @@ Shape (every section optional except ``models`` and ``pools``)::
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
                tls: {cert, key, client_ca}, debug_access: local|any, debug_token}
     scrape:   {interval, timeout, failure_threshold}
-    routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage}
+    routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage,
+               learned_capacity}
     autoscaling: {target_utilisation, replica_concurrency, window_seconds}
     request:  {session_header, priority_header, objective_header, fairness_header,
                objectives: {NAME: int | {priority, spill}}, trusted_headers,
@@ -154,6 +155,9 @@ class RoutingConfig:
     # Add stream_options.include_usage to streaming requests that lack it, so epp learns their
     # token usage, and remove the extra usage chunk from what the client receives.
     inject_stream_usage: bool = False
+    # Scorers read each endpoint's capacity from the latency model (docs/learned-latency.md)
+    # where the pool gives it no weight; false: 1.0 unless configured.
+    learned_capacity: bool = True
 
     def explains_to(self, token: str | None) -> bool:
         """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
@@ -588,7 +592,14 @@ def _scrape(node: _Node) -> ScrapeConfig:
 
 
 def _routing(node: _Node) -> RoutingConfig:
-    node.only("fallbacks", "max_body_bytes", "explain", "explain_token", "inject_stream_usage")
+    node.only(
+        "fallbacks",
+        "max_body_bytes",
+        "explain",
+        "explain_token",
+        "inject_stream_usage",
+        "learned_capacity",
+    )
     d = RoutingConfig()
     return RoutingConfig(
         fallbacks=node.integer("fallbacks", d.fallbacks, ge=0),
@@ -596,6 +607,7 @@ def _routing(node: _Node) -> RoutingConfig:
         explain=node.get("explain", bool, d.explain),
         explain_token=node.get("explain_token", str, d.explain_token),
         inject_stream_usage=node.get("inject_stream_usage", bool, d.inject_stream_usage),
+        learned_capacity=node.get("learned_capacity", bool, d.learned_capacity),
     )
 
 

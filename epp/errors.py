@@ -79,6 +79,16 @@ def overloaded(model: str) -> RequestError:
     )
 
 
+def target_unreachable(model: str, target: float) -> RequestError:
+    return RequestError(
+        429,
+        f"No endpoint serving '{model}' is predicted to deliver the first token within the "
+        f"request's {target * 1000:.0f} ms target. Retry later or relax the target.",
+        type="rate_limit_error",
+        code="latency_target_unreachable",
+    )
+
+
 def unknown_path(method: str, path: str) -> RequestError:
     return RequestError(
         404,

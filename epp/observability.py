@@ -301,6 +301,14 @@ def refusal_reason(status: int) -> str:
     return REFUSAL_REASONS.get(status, "refused_other")
 
 
+LATENCY_TARGETS = Counter(
+    "epp_latency_target_requests_total",
+    "Requests with a TTFT target (x-llm-d-slo-ttft-ms or the latency-target-filter's "
+    "ttft_ms), by whether their measured TTFT met it; refused ones count as refused "
+    "(docs/learned-latency.md).",
+    ["result"],
+)
+
 INFO = Gauge(
     "inference_extension_info",
     "Always 1; its labels name the running build (GIE's name, for dashboards that read it).",

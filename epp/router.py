@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from epp import errors
@@ -25,6 +26,7 @@ from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
     DECISION_SECONDS,
+    LATENCY_TARGETS,
     PICKS,
     POOL_SATURATION,
     REQUESTS,
@@ -33,11 +35,16 @@ from epp.observability import (
 )
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, Decision, Profile, build_profile
+from epp.scheduling.filters.latency_target import LatencyTargetFilter
 from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.scheduling.scorers.latency import LATENCY_TARGET
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
+from epp.state.latency import Basis, ttft_features
+from epp.state.moves import PickRecord
 from epp.tracing import Tracing
+from epp.wire import SLO_TTFT_HEADER
 
 log = logging.getLogger("epp.router")
 
@@ -58,6 +65,12 @@ class Router:
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
         self.tracing: Tracing | None = None
+        # The last capacities handed to scorers: (learned, configured, merged).
+        self._weights: tuple[Mapping[str, float], Mapping[str, float], Mapping[str, float]] = (
+            {},
+            {},
+            {},
+        )
 
     @property
     def config(self) -> Config:
@@ -67,6 +80,10 @@ class Router:
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once.
         self._profile = build_profile(config.scheduling.selected)
+        self._default_target = next(
+            (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
+            None,
+        )
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
@@ -187,7 +204,10 @@ class Router:
         ]
         if config.flow_control.mode != "queue":  # else counted by admit
             self._arrived(addresses)
-        cycle = Cycle(snapshot, self.fleet, config.weights)
+        cycle = Cycle(snapshot, self.fleet, self._capacities(config))
+        target = self._target(request, config)
+        if target is not None:
+            cycle.put(LATENCY_TARGET, target)
         if (
             config.flow_control.mode == "shed"
             and request.priority < 0
@@ -205,6 +225,10 @@ class Router:
             defer,
         )
         DECISION_SECONDS.observe(time.perf_counter() - started)
+        if not decision.endpoints and decision.refusal is not None:
+            if target is not None:
+                LATENCY_TARGETS.labels("refused").inc()
+            raise decision.refusal
         if not decision.endpoints:
             ready = sum(1 for c in candidates if c.ready)
             raise errors.no_endpoint(
@@ -213,12 +237,67 @@ class Router:
         first = decision.endpoints[0]
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
-        ticket = self.fleet.inflight.add(first.address, request.expected_tokens(cached))
+        uncached = max(0, request.prompt_tokens() - cached)
+        inflight = self.fleet.inflight
+        features = ttft_features(uncached, inflight.load(first.address), first)
+        predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
+        basis = Basis(features, predicted, target)
+        ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         child(PICKS, first.pool, first.address).inc()
         child(REQUESTS, request.model, "routed").inc()
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
+
+    def _target(self, request: InferenceRequest, config: Config) -> float | None:
+        """The request's TTFT target in seconds: a trusted caller's header, else the
+        profile's default (the latency-target-filter's ``ttft_ms``), else None."""
+        raw = request.headers.get(SLO_TTFT_HEADER) if config.request.trusted_headers else None
+        if raw is not None:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value) and value > 0:
+                return value / 1000
+        return self._default_target
+
+    def _capacities(self, config: Config) -> Mapping[str, float]:
+        """Endpoint capacities for scorers: configured weights, and where a pool gives none
+        the latency model's learned ones (``routing.learned_capacity``)."""
+        if not config.routing.learned_capacity:
+            return config.weights
+        learned = self.fleet.latency.capacities(time.time())
+        last_learned, last_configured, merged = self._weights
+        if learned is not last_learned or config.weights is not last_configured:
+            merged = {**learned, **config.weights}
+            self._weights = (learned, config.weights, merged)
+        return merged
+
+    def first_token(self, pick: PickRecord, at: float) -> None:
+        """The response of ``pick`` delivered its first token at ``at`` (the clock of
+        ``pick.picked_at``): its prefill is no longer queued, and the latency model learns how
+        long it took."""
+        ticket = pick.ticket
+        if not ticket.waiting:
+            return
+        inflight = self.fleet.inflight
+        pick.ticket = inflight.prefilled(ticket)
+        pick.decoding = inflight.load(ticket.endpoint).decoding
+        basis = ticket.basis
+        if basis is not None:
+            seconds = at - pick.picked_at
+            self.fleet.latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
+            if basis.target is not None:
+                LATENCY_TARGETS.labels("met" if seconds <= basis.target else "missed").inc()
+
+    def decoded(self, pick: PickRecord, tpot: float) -> None:
+        """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
+        if pick.ticket.basis is None or not pick.decoding:
+            return
+        endpoint = pick.ticket.endpoint
+        batch = (pick.decoding + self.fleet.inflight.load(endpoint).decoding) / 2
+        self.fleet.latency.observe_tpot(endpoint, batch, tpot, time.time())
 
     def _remember(self, request: InferenceRequest, decision: Decision) -> None:
         record = {

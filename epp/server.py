@@ -297,6 +297,7 @@ class Server:
             self.shared.set_endpoints(scraped)
         self.scraper.set_endpoints(scraped)
         self.fleet.health.configure(config.health, endpoints)
+        self.fleet.latency.configure(config.weights, endpoints)
         self.discovery.export(config.pools)
         return config
 

@@ -86,6 +86,11 @@ class ResponseObserver:
         self._received = 0
 
     @property
+    def first_token(self) -> float | None:
+        """When the first token event arrived (the caller's clock), None before."""
+        return self._first
+
+    @property
     def body_complete(self) -> bool:
         """The body reached its declared Content-Length."""
         return self._length is not None and self._received >= self._length

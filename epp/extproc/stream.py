@@ -232,6 +232,9 @@ class StreamHandler:
         end = body.end_of_stream
         if observer is not None:
             forward = observer.on_body(chunk, self._clock(), end)
+            first = observer.first_token
+            if first is not None and self.pick is not None and self.pick.ticket.waiting:
+                self._router.first_token(self.pick, first)
             if end or observer.body_complete:
                 self.close(complete=True)
         if not self._response_full_duplex:
@@ -275,6 +278,8 @@ class StreamHandler:
             # A stream's time after its first token is the replica's work; the time before it
             # is mostly the queue, which must not inflate the service time.
             self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
+            if outcome.tpot is not None and self.pick is not None:
+                self._router.decoded(self.pick, outcome.tpot)
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
@@ -409,7 +414,7 @@ class StreamHandler:
                 started,
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
-        self.pick = PickRecord(ticket, request.session)
+        self.pick = PickRecord(ticket, request.session, picked_at=self._clock())
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
         child(OBJECTIVE_REQUESTS, request.model, request.model).inc()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
+from epp.errors import RequestError
 from epp.metrics.plugin_clock import Lap, PluginClock
 from epp.request import InferenceRequest
 from epp.scheduling.data import DataKey, Derived, Input
@@ -101,6 +102,11 @@ class Filter(Plugin):
     def filter(
         self, request: InferenceRequest, candidates: list[EndpointState], cycle: Cycle
     ) -> list[EndpointState]: ...
+
+    def refusal(self, request: InferenceRequest, cycle: Cycle) -> RequestError | None:
+        """The error to answer when this filter removed every candidate (None: the router's
+        "no endpoint is ready" 503)."""
+        return None
 
 
 class Scorer(Plugin):
@@ -183,6 +189,8 @@ class Decision:
     endpoints: list[EndpointState]
     # endpoint -> {scorer name: weighted score, "total": sum}; filled only when asked to explain.
     scores: dict[str, dict[str, float]] | None = None
+    # Why there are no endpoints: the filter's own error, when it has one.
+    refusal: RequestError | None = None
 
 
 @dataclass(slots=True)
@@ -243,7 +251,8 @@ class Profile:
             clock.lap("filter", f)
             if not candidates:
                 clock.stop()
-                return Decision([], {"filtered-out-by": {f.name: 0.0}} if explain else None)
+                why = {"filtered-out-by": {f.name: 0.0}} if explain else None
+                return Decision([], why, f.refusal(request, cycle))
         totals = [0.0] * len(candidates)
         breakdown: dict[str, dict[str, float]] | None = (
             {c.address: {} for c in candidates} if explain else None

@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiplies every modelled delay (0.1 = 10x faster)",
     )
+    p.add_argument(
+        "--speed",
+        default="1",
+        help="compute speed relative to the profile: one factor, or one per replica "
+        "(2,2,1,1: two replicas twice as fast as the other two)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: profile's)")
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks (default: profile's)")
     p.add_argument("--max-num-seqs", type=int)
@@ -69,6 +76,18 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
             raise SystemExit(f"--lora-modules expects NAME=PATH, got {item!r}")
         out[name] = path
     return out
+
+
+def parse_speeds(value: str, replicas: int) -> list[float]:
+    try:
+        speeds = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise SystemExit(f"--speed expects numbers, got {value!r}") from None
+    if len(speeds) == 1:
+        speeds *= replicas
+    if len(speeds) != replicas or not all(s > 0 for s in speeds):
+        raise SystemExit(f"--speed needs 1 or {replicas} factors > 0, got {value!r}")
+    return speeds
 
 
 def shift_port(endpoint: str, offset: int) -> str:
@@ -98,12 +117,13 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
         enable_prefix_caching=args.enable_prefix_caching,
     )
     base = args.base_port if args.base_port is not None else args.port
+    speeds = parse_speeds(args.speed, args.replicas)
     return [
         ReplicaConfig(
             host=args.host,
             port=base + i,
             model=args.model,
-            engine=engine,
+            engine=replace(engine, speed=speeds[i]),
             lora_modules=loras,
             kv_events_endpoint=shift_port(args.kv_events_endpoint, i)
             if args.kv_events_endpoint

@@ -1,9 +1,10 @@
 """The simulated engine: an asyncio task per replica that steps while there is work.
 
-A step = schedule a batch, sleep for the modelled compute time (scaled by --time-scale),
-then apply its results: advance computed tokens, sample one token for every request whose
-tokens are all computed, finish requests that reached max_tokens. Pausing (the `hang` fault)
-stops stepping between steps, so arrivals pile up in the waiting queue as on a stuck server.
+A step = schedule a batch, sleep for the modelled compute time (scaled by --time-scale
+and the replica's --speed), then apply its results: advance computed tokens, sample one
+token for every request whose tokens are all computed, finish requests that reached
+max_tokens. Pausing (the `hang` fault) stops stepping between steps, so arrivals pile up in
+the waiting queue as on a stuck server.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ class EngineConfig:
     max_loras: int = 0
     time_scale: float = 1.0
     enable_prefix_caching: bool = True
+    # Compute speed relative to the profile (2.0: every step takes half the time): replicas
+    # of one fleet on faster or slower hardware. The API server's per-request overhead is CPU
+    # work and does not change.
+    speed: float = 1.0
+
+    @property
+    def step_scale(self) -> float:
+        """Wall-clock seconds per modelled second of engine compute."""
+        return self.time_scale / self.speed
 
 
 class EngineObserver(Protocol):
@@ -141,12 +151,12 @@ class Engine:
             if not batch:
                 # Only when the last running request preempted itself; it is re-admitted
                 # next step. Pause one step's overhead rather than spin.
-                await self._sleep_step(self.config.profile.step_overhead_s * self.config.time_scale)
+                await self._sleep_step(self.config.profile.step_overhead_s * self.config.step_scale)
                 self._end_step()
                 continue
             dt = self.step_time(batch)
             dt += self.loras.activate(r.lora for r in batch.num_tokens if r.lora)
-            await self._sleep_step(dt * self.config.time_scale)
+            await self._sleep_step(dt * self.config.step_scale)
             self._complete(batch)
             self._end_step()
             if self.observer:

@@ -1,7 +1,8 @@
 """Long-lived routing state that outlives any one configuration: the scheduler's memory.
 
 Plugins are rebuilt on every configuration reload; what they learn (in-flight work, prefix
-indexes, sessions, the TTFT scorer's prefill backlog, endpoint health) must not be lost with
+indexes, sessions, the TTFT scorer's prefill backlog, endpoint health, each endpoint's learned
+speed) must not be lost with
 them, so it lives here, owned by the server and reached by plugins through the scheduling
 :class:`~epp.scheduling.Cycle`.
 """
@@ -16,6 +17,7 @@ from epp.prefix.tokens import TokenizerRegistry
 from epp.state.backlog import PrefillBacklog
 from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
+from epp.state.latency import LatencyModel
 from epp.state.memory import MemoryStore
 from epp.state.sessions import SessionTable
 from epp.state.store import StateStore
@@ -34,3 +36,5 @@ class FleetState:
     prefill: PrefillBacklog = field(default_factory=PrefillBacklog)
     # Each endpoint's circuit, judged from the responses it served (passive health).
     health: HealthTracker = field(default_factory=HealthTracker)
+    # Each endpoint's learned prefill rate, queueing and decode speed (the latency model).
+    latency: LatencyModel = field(default_factory=LatencyModel)

@@ -4,26 +4,52 @@ Scraped metrics are up to one scrape interval old; between two scrapes a burst w
 pile onto whichever replica looked idlest. Counting our own picks the moment they are made (and
 releasing them when Envoy closes the request's stream) lets scorers spread a burst at once.
 Tokens are the prompt plus the requested output, the work the engine has ahead of it.
+
+Until its first token arrives a request is also *prefilling*: its uncached prompt tokens are
+prefill work the endpoint still has to do, ahead of any request sent after it (vLLM schedules
+FCFS). The response path reports the first token (:meth:`InflightTracker.prefilled`), so
+``prefill`` and ``waiting`` count exactly the prefill queued on each endpoint, the latency
+model's queueing input (:mod:`epp.state.latency`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epp.state.latency import Basis
 
 
 @dataclass(slots=True)
 class Load:
     requests: int = 0
     tokens: int = 0
+    # Uncached prompt tokens of the requests still waiting for their first token, and how many.
+    prefill: int = 0
+    waiting: int = 0
+
+    @property
+    def decoding(self) -> int:
+        """Requests past their first token: the endpoint's decode batch, as far as epp knows."""
+        return max(0, self.requests - self.waiting)
 
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """What one pick added, handed back to :meth:`InflightTracker.release` exactly once."""
+    """What one pick added, handed back to :meth:`InflightTracker.release` exactly once.
+
+    ``prefill`` is the request's uncached prompt while it waits for its first token (0 after
+    :meth:`InflightTracker.prefilled`); ``basis`` what the latency model predicted at the pick,
+    learned from when the first token arrives (None: nothing to learn, e.g. after a retry).
+    """
 
     endpoint: str
     tokens: int
+    prefill: int = 0
+    waiting: bool = True
+    basis: Basis | None = None
 
 
 class InflightTracker:
@@ -37,19 +63,38 @@ class InflightTracker:
         self._local: dict[str, Load] = {}
         self.remote: Mapping[str, Load] = {}
 
-    def add(self, endpoint: str, tokens: int) -> Ticket:
+    def add(
+        self, endpoint: str, tokens: int, prefill: int = 0, basis: Basis | None = None
+    ) -> Ticket:
         load = self._local.get(endpoint)
         if load is None:
             load = self._local[endpoint] = Load()
         load.requests += 1
         load.tokens += tokens
-        return Ticket(endpoint, tokens)
+        load.prefill += prefill
+        load.waiting += 1
+        return Ticket(endpoint, tokens, prefill, True, basis)
 
     def move(self, ticket: Ticket, endpoint: str) -> Ticket:
         """The work of ``ticket`` is on ``endpoint`` after all (a retry served it): the new
-        ticket replaces the old one, which must not be released."""
+        ticket replaces the old one, which must not be released. What was predicted for the
+        picked endpoint says nothing about this one: the new ticket has no basis."""
         self.release(ticket)
-        return self.add(endpoint, ticket.tokens)
+        moved = self.add(endpoint, ticket.tokens, ticket.prefill)
+        if not ticket.waiting:
+            return self.prefilled(moved)
+        return moved
+
+    def prefilled(self, ticket: Ticket) -> Ticket:
+        """The request's first token arrived: its prefill is done. Returns the ticket that
+        replaces ``ticket`` (release that one)."""
+        if not ticket.waiting:
+            return ticket
+        load = self._local.get(ticket.endpoint)
+        if load is not None:
+            load.prefill = max(0, load.prefill - ticket.prefill)
+            load.waiting = max(0, load.waiting - 1)
+        return replace(ticket, prefill=0, waiting=False)
 
     def release(self, ticket: Ticket) -> None:
         load = self._local.get(ticket.endpoint)
@@ -57,6 +102,9 @@ class InflightTracker:
             return
         load.requests = max(0, load.requests - 1)
         load.tokens = max(0, load.tokens - ticket.tokens)
+        if ticket.waiting:
+            load.prefill = max(0, load.prefill - ticket.prefill)
+            load.waiting = max(0, load.waiting - 1)
 
     def load(self, endpoint: str) -> Load:
         local = self._local.get(endpoint)
@@ -65,7 +113,12 @@ class InflightTracker:
             return local or Load()
         if local is None:
             return remote
-        return Load(local.requests + remote.requests, local.tokens + remote.tokens)
+        return Load(
+            local.requests + remote.requests,
+            local.tokens + remote.tokens,
+            local.prefill + remote.prefill,
+            local.waiting + remote.waiting,
+        )
 
     def local(self) -> Mapping[str, Load]:
         """This process's own counts (what it shares with the others)."""

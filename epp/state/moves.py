@@ -28,6 +28,10 @@ class PickRecord:
     ticket: Ticket
     session: str | None = None
     learned: list[Learned] = field(default_factory=list)
+    # When the pick was made (the stream's clock), and the requests decoding on the endpoint
+    # when its first token arrived (the latency model's decode batch).
+    picked_at: float = 0.0
+    decoding: int = 0
 
     @property
     def endpoint(self) -> str:
@@ -63,4 +67,4 @@ def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) ->
         learned.extend(journal)
     if record.session is not None:
         fleet.sessions.move(record.session, source, served, now)
-    return PickRecord(ticket, record.session, learned)
+    return PickRecord(ticket, record.session, learned, record.picked_at, record.decoding)

@@ -206,3 +206,38 @@ def test_prefix_insertion_moves_only_what_the_pick_added() -> None:
     move_pick(fleet, moved, A, 0.0)
     assert (fleet.inflight.load(A).requests, fleet.inflight.load(B).requests) == (1, 0)
     assert isinstance(index, ApproximatePrefixIndex)
+
+
+async def test_first_token_ends_the_prefill_and_teaches_the_latency_model() -> None:
+    """Until its first token a request's uncached prompt is prefill queued on its endpoint;
+    the first token takes it out of that queue, and the time from the pick is a TTFT sample
+    for the endpoint's latency model (the decode that follows, a TPOT sample)."""
+    router = await make_router()
+    fleet = router.fleet
+    now = [100.0]
+    handler = StreamHandler(router, clock=lambda: now[0])
+    body = json.dumps({"model": "tiny", "prompt": "x" * 800, "max_tokens": 4, "stream": True})
+    handler.handle(headers_msg())
+    handler.handle(body_msg(body.encode()))
+    assert handler.ticket is not None
+    endpoint = handler.ticket.endpoint
+    load = fleet.inflight.load(endpoint)
+    assert (load.waiting, load.decoding) == (1, 0)
+    assert load.prefill > 150  # the whole prompt is uncached (~200 tokens)
+    handler.handle(_response_headers({**SSE_HEADERS, SERVED: endpoint}))
+    now[0] = 100.25
+    handler.handle(_response_body(ROLE))
+    assert fleet.inflight.load(endpoint).waiting == 1  # the role chunk is not a token
+    handler.handle(_response_body(token("a")))
+    load = fleet.inflight.load(endpoint)
+    assert (load.prefill, load.waiting, load.decoding) == (0, 0, 1)
+    assert fleet.latency.errors(endpoint)[-1][1] == pytest.approx(0.25)
+    now[0] = 100.55
+    handler.handle(_response_body(token("b") + token("c") + token("d")))
+    handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
+    described = fleet.latency.describe(endpoint, time.time())
+    assert described is not None
+    assert described["ttft_samples"] == 1
+    assert described["evidence"]["tpot"] > 0
+    router.finish(handler.ticket)
+    assert fleet.inflight.load(endpoint) == type(load)()

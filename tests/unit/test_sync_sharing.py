@@ -11,6 +11,7 @@ import pytest
 
 from epp.state.fleet import FleetState
 from epp.state.inflight import Load
+from epp.state.latency import Basis
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LOAD_INTERVALS, SharedState
 from tests.helpers import redis_servers
@@ -42,11 +43,15 @@ async def group(prefix: str) -> AsyncIterator[Group]:
 
 async def test_each_process_sees_the_others_in_flight_work(group: Group) -> None:
     (fa, _), (fb, _) = await group(), await group()
-    ta = [fa.inflight.add(E1, 100), fa.inflight.add(E1, 50)]
+    # Two requests waiting for their first token (90 and 40 uncached prompt tokens).
+    ta = [fa.inflight.add(E1, 100, 90), fa.inflight.add(E1, 50, 40)]
     fb.inflight.add(E2, 10)
-    await eventually(lambda: fb.inflight.load(E1) == Load(2, 150), what="a's load at b")
-    await eventually(lambda: fa.inflight.load(E2) == Load(1, 10), what="b's load at a")
-    assert fa.inflight.load(E1) == Load(2, 150), "own work must not be counted twice"
+    await eventually(lambda: fb.inflight.load(E1) == Load(2, 150, 130, 2), what="a's load at b")
+    await eventually(lambda: fa.inflight.load(E2) == Load(1, 10, 0, 1), what="b's load at a")
+    assert fa.inflight.load(E1) == Load(2, 150, 130, 2), "own work must not be counted twice"
+    # The first one's first token: its prefill leaves the shared queue, its decode stays.
+    ta[0] = fa.inflight.prefilled(ta[0])
+    await eventually(lambda: fb.inflight.load(E1) == Load(2, 150, 40, 1), what="prefilled at b")
     for ticket in ta:
         fa.inflight.release(ticket)
     await eventually(lambda: fb.inflight.load(E1) == Load(0, 0), what="released at b")
@@ -135,3 +140,24 @@ async def test_picks_made_while_redis_is_down_arrive_after_it_returns(
         await eventually(lambda: fb.inflight.load(E3).requests == 1, within=5.0)
     finally:
         server.stop()
+
+
+async def test_latency_evidence_is_summed_across_processes(group: Group) -> None:
+    (fa, _), (fb, _) = await group(), await group()
+    features = (1.0, 2.0, 0.0, 0.0)
+    for i in range(20):
+        fa.latency.observe_ttft(E1, Basis(features, 0.2), 0.5, time.time() - 1 + i / 100)
+    ours = fa.latency.describe(E1, time.time())
+    assert ours is not None
+
+    def shared() -> bool:
+        theirs = fb.latency.describe(E1, time.time())
+        return theirs is not None and theirs["evidence"]["ttft"] > 15
+
+    await eventually(shared, what="a's latency evidence at b")
+    theirs = fb.latency.describe(E1, time.time())
+    assert theirs is not None
+    # The same evidence, decayed a little longer.
+    rate = ours["prefill_tokens_per_second"]
+    assert theirs["prefill_tokens_per_second"] == pytest.approx(rate, rel=0.01)
+    assert theirs["ttft_samples"] == 0, "b learned nothing itself: the evidence is a's"

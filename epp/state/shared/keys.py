@@ -14,6 +14,9 @@ key                             type      written by / lifetime
                                           older than the lease TTL is pruned; key PX lease TTL
 ``{p}:load:<process id>``       hash      endpoint -> "requests tokens" the process has in
                                           flight; PX 10 intervals (a dead process's expire)
+``{p}:latency:<process id>``    hash      endpoint -> JSON of the process's own latency
+                                          evidence (:mod:`epp.state.latency`), rewritten
+                                          every second; PX 10 s
 ``{p}:picks``                   stream    prefix-index insertions, session bindings and
                                           passive-health verdicts (ejections, readmissions), up
                                           to 32 per entry; ``MAXLEN ~ 1024``, PX 1 h
@@ -38,6 +41,9 @@ class Keys:
 
     def load(self, member: str) -> str:
         return f"{self.prefix}:load:{member}"
+
+    def latency(self, member: str) -> str:
+        return f"{self.prefix}:latency:{member}"
 
     @property
     def picks(self) -> str:

@@ -4,9 +4,11 @@ An epp process counts the requests it routed and has not seen finish
 (:class:`~epp.state.inflight.InflightTracker`). With several processes behind one gateway each
 would see only its own share and all of them would pile onto the replica that looks idle to
 each. Every sync tick a process writes its counts to its own hash (``{p}:load:<id>``, field
-per endpoint, value ``"requests tokens"``) with a TTL, reads the other members' hashes and
-sets ``InflightTracker.remote`` to their sum. A process that dies stops renewing its hash and
-its counts vanish with the TTL; the requests it had in flight failed with it anyway.
+per endpoint, value ``"requests tokens"``; a second field ``prefill|<endpoint>`` holds
+``"tokens,requests"`` still waiting for their first token, in a form older versions skip as
+unreadable) with a TTL, reads the other members' hashes and sets ``InflightTracker.remote`` to
+their sum. A process that dies stops renewing its hash and its counts vanish with the TTL; the
+requests it had in flight failed with it anyway.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from redis.typing import EncodableT, FieldT
 
 from epp.state.inflight import Load
 
+_PREFILL = "prefill|"
+
 
 def encode(loads: Mapping[str, Load]) -> dict[FieldT, EncodableT]:
     """Hash fields for one process's counts (zeros included: they overwrite older counts)."""
-    return {address: f"{load.requests} {load.tokens}" for address, load in loads.items()}
+    fields: dict[FieldT, EncodableT] = {}
+    for address, load in loads.items():
+        fields[address] = f"{load.requests} {load.tokens}"
+        fields[_PREFILL + address] = f"{load.prefill},{load.waiting}"
+    return fields
 
 
 def total(hashes: Sequence[Mapping[bytes, bytes]]) -> dict[str, Load]:
@@ -28,14 +36,23 @@ def total(hashes: Sequence[Mapping[bytes, bytes]]) -> dict[str, Load]:
     out: dict[str, Load] = {}
     for fields in hashes:
         for raw_address, raw_value in fields.items():
+            name = raw_address.decode()
+            prefill = name.startswith(_PREFILL)
             try:
-                requests, tokens = (int(v) for v in raw_value.split())
+                if prefill:
+                    first, second = (int(v) for v in raw_value.split(b","))
+                else:
+                    first, second = (int(v) for v in raw_value.split())
             except ValueError:
                 continue
-            address = raw_address.decode()
+            address = name.removeprefix(_PREFILL)
             load = out.get(address)
             if load is None:
                 load = out[address] = Load()
-            load.requests += requests
-            load.tokens += tokens
+            if prefill:
+                load.prefill += first
+                load.waiting += second
+            else:
+                load.requests += first
+                load.tokens += second
     return out

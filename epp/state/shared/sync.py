@@ -23,7 +23,9 @@ import os
 import random
 import secrets
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -48,6 +50,10 @@ _MAX_BACKOFF = 1.0
 LEASE_INTERVALS = 3
 # In-flight counts are kept longer: dropping a slow process's counts would herd traffic.
 LOAD_INTERVALS = 10
+# Latency evidence changes slowly (its half-life is 30 s): shared about once a second, kept
+# for LATENCY_TTL_S after its process stops renewing it.
+LATENCY_PERIOD_S = 1.0
+LATENCY_TTL_S = 10.0
 
 
 class SharedState:
@@ -82,6 +88,8 @@ class SharedState:
         self.keys = Keys(hash_tag(key_prefix))
         self.leases = Leases(self.keys, self.me, LEASE_INTERVALS * interval)
         self._inflight = fleet.inflight
+        self._latency = fleet.latency
+        self._ticks = 0
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
         channels = [
@@ -151,6 +159,7 @@ class SharedState:
                 async with self._client.pipeline(transaction=False) as pipe:
                     self.leases.queue_release(pipe)
                     pipe.delete(self.keys.load(self.me))
+                    pipe.delete(self.keys.latency(self.me))
                     await pipe.execute()
         except Exception as exc:  # best effort: the TTLs clean up anyway
             log.debug("could not leave the group cleanly: %s", exc)
@@ -185,6 +194,9 @@ class SharedState:
         local = self._inflight.local()
         fields = encode(local)
         own = self.keys.load(self.me)
+        # Latency evidence every LATENCY_PERIOD_S: written, then the others' read.
+        latency = self._ticks % max(1, round(LATENCY_PERIOD_S / self._interval)) == 0
+        self._ticks += 1
         async with self._client.pipeline(transaction=False) as pipe:
             order = self.leases.queue(pipe)
             if fields:
@@ -192,8 +204,13 @@ class SharedState:
                 pipe.pexpire(own, self._load_ttl_ms)
             for member in others:
                 pipe.hgetall(self.keys.load(member))
+            if latency:
+                self._queue_latency(pipe, others)
             results = await pipe.execute()
         self._members = self.leases.apply(order, results[0])
+        if latency:
+            self._latency.apply_remote(results[len(results) - len(others) :])
+            results = results[: len(results) - len(others)]
         remote = total(results[len(results) - len(others) :])
         self._inflight.remote = remote
         SHARED_MEMBERS.set(len(self._members))
@@ -201,6 +218,17 @@ class SharedState:
             for origin, loads in (("local", local), ("remote", remote)):
                 load = loads.get(address)
                 SHARED_INFLIGHT.labels(address, origin).set(load.requests if load else 0)
+
+    def _queue_latency(self, pipe: Any, others: Sequence[str]) -> None:
+        """Write this process's latency evidence and read the others' (last in the pipeline,
+        one reply per other member)."""
+        exported = self._latency.export(time.time())
+        own = self.keys.latency(self.me)
+        if exported:
+            pipe.hset(own, mapping=dict(exported))
+            pipe.pexpire(own, round(LATENCY_TTL_S * 1000))
+        for member in others:
+            pipe.hgetall(self.keys.latency(member))
 
     def _set_up(self, up: bool, exc: Exception | None = None) -> None:
         if not up:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from epp.sim.cli import add_subcommand, build_configs
 
 from .conftest import free_port
@@ -56,3 +58,15 @@ def test_process_prints_ready_serves_and_exits_on_sigterm() -> None:
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
+
+
+def test_speed_is_one_factor_or_one_per_replica() -> None:
+    assert [c.engine.speed for c in build_configs(parse("--replicas", "2", "--speed", "3"))] == [
+        3.0,
+        3.0,
+    ]
+    configs = build_configs(parse("--replicas", "4", "--speed", "2,2,1,0.5"))
+    assert [c.engine.speed for c in configs] == [2.0, 2.0, 1.0, 0.5]
+    for bad in ("2,1", "0", "fast"):
+        with pytest.raises(SystemExit, match="--speed"):
+            build_configs(parse("--replicas", "4", "--speed", bad))

@@ -111,3 +111,26 @@ async def test_requests_preempted_for_kv_space_are_recomputed_and_finish() -> No
         assert any(r.num_preemptions for r in reqs)
     finally:
         task.cancel()
+
+
+async def test_a_faster_replica_sleeps_a_shorter_step() -> None:
+    """--speed divides every step's modelled time (the same batch, half the wall clock)."""
+    slept: dict[float, list[float]] = {}
+    for speed in (1.0, 2.0):
+        engine = new_engine(speed=speed)
+        naps = slept[speed] = []
+
+        async def nap(dt: float, naps: list[float] = naps) -> None:
+            naps.append(dt)
+            await asyncio.sleep(0)
+
+        engine._sleep_step = nap  # type: ignore[method-assign]
+        task = asyncio.create_task(engine.run())
+        try:
+            r = SimRequest("r", list(range(10)), 3, 0.0)
+            engine.submit(r)
+            await asyncio.wait_for(drain(r), 5)
+        finally:
+            task.cancel()
+    assert len(slept[1.0]) == len(slept[2.0]) == 3
+    assert slept[2.0] == pytest.approx([dt / 2 for dt in slept[1.0]])

@@ -1,0 +1,435 @@
+"""Each endpoint's speed, learned online from the responses epp sees: the latency model.
+
+A fleet that mixes GPU generations (or replicas that share a host with something else) serves
+the same request at different speeds, and a hand-written description of that drifts. epp sees
+every response (:mod:`epp.extproc.response_stream`), so it learns, per endpoint, two linear
+models from what each request looked like when it was picked and how long it then took:
+
+- **TTFT** (pick to first token) ``= a + b*U + c*Q + e*D``: ``U`` the request's uncached
+  prompt tokens (thousands), ``Q`` the uncached prompt tokens of requests sent there earlier
+  still waiting for their first token (the prefill queued ahead, thousands; vLLM schedules
+  FCFS), ``D`` the requests decoding there (tens; each adds to every engine step). ``1/b`` is
+  the endpoint's prefill rate, ``c*Q`` its queueing delay, ``a`` the fixed cost of a request.
+- **TPOT** (time per output token) ``= d + f*D``: decode step time as a function of the batch.
+
+Evidence: an observation weighs ``0.5 ** (age / half_life)``, so the model forgets a replica's
+past within a few half-lives (a replica that slows down is seen as slow within seconds under
+load). Memory is bounded: each model keeps only its weighted sufficient statistics (``X'X``,
+``X'y``), which also makes the evidence of several epp processes additive: every process
+publishes its own statistics and sums the others' (:meth:`LatencyModel.export`,
+:meth:`LatencyModel.apply_remote`, shipped by :mod:`epp.state.shared.sync`). Noise: a sample
+whose residual exceeds ``HUBER_K`` times the model's mean absolute residual is down-weighted
+(Huber), so a stall or a cold start does not drag the fit. The fit is a ridge regression
+towards a prior (the configured capacity weight scales the prior's speed, so hand-set weights
+still say what to assume before evidence arrives), with non-negative coefficients (a slope
+below zero has no physical meaning; such a term is dropped and the rest refitted).
+
+Nothing here does I/O or reads a clock: callers pass ``now`` (``time.time()``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from epp.state.inflight import Load
+from epp.state.snapshot import EndpointState
+
+# Feature units: thousands of tokens, tens of requests (keeps the ridge prior's strength
+# comparable across coefficients).
+TOKENS_UNIT = 1000.0
+REQUESTS_UNIT = 10.0
+# Evidence halves in this many seconds.
+HALF_LIFE_S = 30.0
+# The prior counts as this many observations at unit features.
+PRIOR_STRENGTH = 2.0
+# Residuals beyond HUBER_K mean absolute residuals are down-weighted.
+HUBER_K = 3.0
+# Observations before residuals are judged (the scale needs a few).
+ROBUST_AFTER = 8.0
+# Prior: a capacity-1 endpoint prefills 10k tokens/s, a request costs 20 ms on its own, a
+# decode step 10 ms plus 2 ms per ten sequences.
+PRIOR_TTFT = (0.02, 0.1, 0.1, 0.01)
+PRIOR_TPOT = (0.01, 0.002)
+# Predictions and measurements kept per endpoint for the error report.
+ERROR_SAMPLES = 256
+# A fit is recomputed at most this often per endpoint (decisions read the cached one).
+REFIT_S = 0.05
+# Relative capacities are clamped to this range.
+CAPACITY_RANGE = (0.05, 20.0)
+# Uncached prompt tokens of the reference request capacities compare.
+REFERENCE_TOKENS = 2000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Basis:
+    """What the model saw when a request was picked: its TTFT features and prediction, and
+    its TTFT target in seconds (None: none)."""
+
+    features: tuple[float, ...]
+    predicted: float
+    target: float | None = None
+
+
+@dataclass(slots=True)
+class Stats:
+    """Exponentially decayed weighted least-squares statistics of one linear model."""
+
+    dims: int
+    xx: list[float] = field(default_factory=list)
+    xy: list[float] = field(default_factory=list)
+    weight: float = 0.0
+    # Decayed mean absolute residual (its weight is ``weight``).
+    abs_residual: float = 0.0
+    as_of: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.xx:
+            self.xx = [0.0] * (self.dims * self.dims)
+            self.xy = [0.0] * self.dims
+
+    def decay_to(self, now: float) -> None:
+        if now <= self.as_of:
+            return
+        if self.weight:
+            factor = 0.5 ** ((now - self.as_of) / HALF_LIFE_S)
+            self.xx = [v * factor for v in self.xx]
+            self.xy = [v * factor for v in self.xy]
+            self.weight *= factor
+        self.as_of = now
+
+    def add(self, x: Sequence[float], y: float, weight: float, residual: float) -> None:
+        n = self.dims
+        for i in range(n):
+            wx = weight * x[i]
+            self.xy[i] += wx * y
+            row = i * n
+            for j in range(n):
+                self.xx[row + j] += wx * x[j]
+        total = self.weight + weight
+        self.abs_residual += (abs(residual) - self.abs_residual) * weight / total
+        self.weight = total
+
+    def copy(self) -> Stats:
+        return Stats(
+            self.dims, list(self.xx), list(self.xy), self.weight, self.abs_residual, self.as_of
+        )
+
+    def plus(self, other: Stats) -> Stats:
+        """The sum of two statistics at the later time of the two."""
+        a, b = self.copy(), other.copy()
+        now = max(a.as_of, b.as_of)
+        a.decay_to(now)
+        b.decay_to(now)
+        weight = a.weight + b.weight
+        residual = (
+            (a.abs_residual * a.weight + b.abs_residual * b.weight) / weight if weight else 0.0
+        )
+        return Stats(
+            self.dims,
+            [p + q for p, q in zip(a.xx, b.xx, strict=True)],
+            [p + q for p, q in zip(a.xy, b.xy, strict=True)],
+            weight,
+            residual,
+            now,
+        )
+
+    def encode(self) -> list[float]:
+        return [self.as_of, self.weight, self.abs_residual, *self.xx, *self.xy]
+
+    @classmethod
+    def decode(cls, dims: int, values: Sequence[float]) -> Stats:
+        if len(values) != 3 + dims * dims + dims:
+            raise ValueError(f"expected {3 + dims * dims + dims} numbers, got {len(values)}")
+        as_of, weight, residual = (float(v) for v in values[:3])
+        xx = [float(v) for v in values[3 : 3 + dims * dims]]
+        xy = [float(v) for v in values[3 + dims * dims :]]
+        if not all(math.isfinite(v) for v in (as_of, weight, residual, *xx, *xy)):
+            raise ValueError("non-finite statistics")
+        return cls(dims, xx, xy, weight, residual, as_of)
+
+
+def fit(stats: Stats, prior: Sequence[float]) -> tuple[float, ...]:
+    """Ridge regression towards ``prior`` with non-negative coefficients (a term whose
+    coefficient comes out negative is pinned at 0 and the others refitted)."""
+    n = stats.dims
+    free = list(range(n))
+    while True:
+        coef = _solve(stats, prior, free)
+        negative = [i for i in free if coef[i] < 0.0]
+        if not negative:
+            return tuple(coef)
+        free = [i for i in free if i not in negative]
+        if not free:
+            return tuple(0.0 for _ in range(n))
+
+
+def _solve(stats: Stats, prior: Sequence[float], free: Sequence[int]) -> list[float]:
+    n = stats.dims
+    m = len(free)
+    # (X'X + s I) beta = X'y + s prior, over the free coefficients (pinned ones are 0).
+    a = [[stats.xx[i * n + j] + (PRIOR_STRENGTH if i == j else 0.0) for j in free] for i in free]
+    b = [stats.xy[i] + PRIOR_STRENGTH * prior[i] for i in free]
+    for col in range(m):
+        pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        head = a[col][col]
+        for r in range(col + 1, m):
+            factor = a[r][col] / head
+            if factor:
+                for k in range(col, m):
+                    a[r][k] -= factor * a[col][k]
+                b[r] -= factor * b[col]
+    solution = [0.0] * m
+    for r in range(m - 1, -1, -1):
+        solution[r] = (b[r] - sum(a[r][k] * solution[k] for k in range(r + 1, m))) / a[r][r]
+    out = [0.0] * n
+    for i, value in zip(free, solution, strict=True):
+        out[i] = value
+    return out
+
+
+def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
+    return sum(c * v for c, v in zip(coef, x, strict=True))
+
+
+@dataclass(slots=True)
+class _Model:
+    """One linear model of one endpoint: local evidence, the others' and the current fit."""
+
+    prior: tuple[float, ...]
+    local: Stats
+    remote: Stats | None = None
+    coef: tuple[float, ...] = ()
+    fitted_at: float = -math.inf
+    dirty: bool = True
+
+    def combined(self, now: float) -> Stats:
+        self.local.decay_to(now)
+        return self.local if self.remote is None else self.local.plus(self.remote)
+
+    def coefficients(self, now: float) -> tuple[float, ...]:
+        if not self.coef or (self.dirty and now - self.fitted_at >= REFIT_S):
+            self.coef = fit(self.combined(now), self.prior)
+            self.fitted_at = now
+            self.dirty = False
+        return self.coef
+
+    def observe(self, x: Sequence[float], y: float, now: float) -> None:
+        coef = self.coefficients(now)
+        residual = y - _dot(coef, x)
+        stats = self.combined(now)
+        weight = 1.0
+        if stats.weight >= ROBUST_AFTER and stats.abs_residual > 0.0:
+            limit = HUBER_K * stats.abs_residual
+            if abs(residual) > limit:
+                weight = limit / abs(residual)
+        self.local.decay_to(now)
+        self.local.add(x, y, weight, residual)
+        self.dirty = True
+
+
+def queue_and_batch(uncached: float, load: Load, endpoint: EndpointState) -> tuple[float, int]:
+    """Prefill tokens queued ahead of a new request on ``endpoint`` and requests decoding there.
+
+    Both are what epp has in flight there (all processes), or the scraped queue when that is
+    larger (work other gateways sent): scraped waiting requests count at the mean size of
+    epp's own waiting ones (``uncached`` when it has none).
+    """
+    metrics = endpoint.metrics
+    waiting = load.waiting
+    queued = float(load.prefill)
+    if metrics.waiting:
+        scraped = metrics.waiting * (load.prefill / waiting if waiting else uncached)
+        if scraped > queued:
+            queued = scraped
+    decoding = load.requests - waiting
+    running = metrics.running - min(metrics.running, waiting)
+    return queued, max(decoding, running, 0)
+
+
+def ttft_features(uncached: float, load: Load, endpoint: EndpointState) -> tuple[float, ...]:
+    """The TTFT model's inputs for a request of ``uncached`` prompt tokens on ``endpoint``."""
+    queued, decoding = queue_and_batch(uncached, load, endpoint)
+    return (1.0, uncached / TOKENS_UNIT, queued / TOKENS_UNIT, decoding / REQUESTS_UNIT)
+
+
+@dataclass(slots=True)
+class EndpointLatency:
+    ttft: _Model
+    tpot: _Model
+    # (predicted, measured) TTFT of recent requests.
+    errors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=ERROR_SAMPLES))
+    samples: int = 0
+
+
+class LatencyModel:
+    """Every endpoint's learned TTFT and TPOT models; lives in
+    :class:`~epp.state.fleet.FleetState`."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, EndpointLatency] = {}
+        # Configured capacity weights: they scale each endpoint's prior.
+        self._weights: Mapping[str, float] = {}
+        self._capacities: dict[str, float] = {}
+        self._capacities_at = -math.inf
+
+    def configure(self, weights: Mapping[str, float], endpoints: Iterable[str]) -> None:
+        """Apply configured weights; forget endpoints that left."""
+        self._weights = dict(weights)
+        keep = set(endpoints)
+        for address in list(self._endpoints):
+            if address not in keep:
+                del self._endpoints[address]
+        for address, state in self._endpoints.items():
+            state.ttft.prior, state.tpot.prior = self._priors(address)
+            state.ttft.dirty = state.tpot.dirty = True
+            state.ttft.coef = state.tpot.coef = ()
+
+    def _priors(self, address: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        w = self._weights.get(address, 1.0)
+        a, b, c, e = PRIOR_TTFT
+        d, f = PRIOR_TPOT
+        return (a, b / w, c / w, e / w), (d / w, f / w)
+
+    def _get(self, address: str) -> EndpointLatency:
+        state = self._endpoints.get(address)
+        if state is None:
+            ttft, tpot = self._priors(address)
+            state = self._endpoints[address] = EndpointLatency(
+                _Model(ttft, Stats(len(ttft))), _Model(tpot, Stats(len(tpot)))
+            )
+        return state
+
+    def predict(
+        self, uncached: float, load: Load, endpoint: EndpointState, now: float
+    ) -> tuple[float, float]:
+        """This request's (TTFT, TPOT) on ``endpoint``: the scorer's per-candidate call, so
+        written out rather than through :func:`ttft_features` (decision time)."""
+        address = endpoint.address
+        state = self._endpoints.get(address) or self._get(address)
+        a, b, c, e = state.ttft.coefficients(now)
+        d, f = state.tpot.coefficients(now)
+        queued, decoding = queue_and_batch(uncached, load, endpoint)
+        ttft = a + (b * uncached + c * queued) / TOKENS_UNIT + e * decoding / REQUESTS_UNIT
+        return ttft, d + f * (decoding + 1) / REQUESTS_UNIT
+
+    def predict_ttft(self, address: str, features: Sequence[float], now: float) -> float:
+        return _dot(self._get(address).ttft.coefficients(now), features)
+
+    def predict_tpot(self, address: str, decoding: float, now: float) -> float:
+        coef = self._get(address).tpot.coefficients(now)
+        return _dot(coef, (1.0, decoding / REQUESTS_UNIT))
+
+    def observe_ttft(self, address: str, basis: Basis, seconds: float, now: float) -> None:
+        """A request picked with ``basis`` got its first token ``seconds`` after the pick."""
+        if not (0.0 < seconds < 3600.0):
+            return
+        state = self._get(address)
+        state.errors.append((basis.predicted, seconds))
+        state.samples += 1
+        state.ttft.observe(basis.features, seconds, now)
+        self._capacities_at = -math.inf
+
+    def observe_tpot(self, address: str, decoding: float, tpot: float, now: float) -> None:
+        """A response decoded at ``tpot`` seconds per token with ``decoding`` requests in the
+        batch (its own included)."""
+        if not (0.0 < tpot < 60.0):
+            return
+        self._get(address).tpot.observe((1.0, decoding / REQUESTS_UNIT), tpot, now)
+
+    def capacities(self, now: float) -> Mapping[str, float]:
+        """Each endpoint's speed relative to the median endpoint, from its learned time for a
+        reference request (``REFERENCE_TOKENS`` uncached, nothing queued): 2.0 for one twice
+        as fast. Only endpoints with evidence; recomputed at most every ``REFIT_S``."""
+        if now - self._capacities_at < REFIT_S:
+            return self._capacities
+        reference = (1.0, REFERENCE_TOKENS / TOKENS_UNIT, 0.0, 0.0)
+        times = {
+            address: _dot(state.ttft.coefficients(now), reference)
+            for address, state in self._endpoints.items()
+            if state.ttft.combined(now).weight >= 1.0
+        }
+        out: dict[str, float] = {}
+        if len(times) >= 2:
+            middle = statistics.median(times.values())
+            low, high = CAPACITY_RANGE
+            for address, seconds in times.items():
+                out[address] = min(high, max(low, middle / seconds)) if seconds > 0 else high
+        self._capacities = out
+        self._capacities_at = now
+        return out
+
+    def describe(self, address: str, now: float) -> dict[str, Any] | None:
+        """What ``/debug/endpoints`` shows: the fitted rates, the evidence, the error."""
+        state = self._endpoints.get(address)
+        if state is None:
+            return None
+        a, b, c, e = state.ttft.coefficients(now)
+        d, f = state.tpot.coefficients(now)
+        errors = [abs(p - m) / m for p, m in state.errors]
+        return {
+            "prefill_tokens_per_second": round(TOKENS_UNIT / b) if b > 0 else None,
+            "queue_seconds_per_1k_tokens": round(c, 5),
+            "request_overhead_seconds": round(a, 5),
+            "ttft_seconds_per_10_decoding": round(e, 5),
+            "tpot_seconds": round(d, 5),
+            "tpot_seconds_per_10_decoding": round(f, 5),
+            "evidence": {
+                "ttft": round(state.ttft.combined(now).weight, 2),
+                "tpot": round(state.tpot.combined(now).weight, 2),
+            },
+            "ttft_samples": state.samples,
+            "ttft_median_abs_error": round(statistics.median(errors), 4) if errors else None,
+            "capacity": self.capacities(now).get(address),
+        }
+
+    def errors(self, address: str) -> list[tuple[float, float]]:
+        """Recent (predicted, measured) TTFT pairs of ``address``."""
+        state = self._endpoints.get(address)
+        return list(state.errors) if state is not None else []
+
+    def export(self, now: float) -> dict[str, str]:
+        """This process's own evidence per endpoint, for the other processes."""
+        out = {}
+        for address, state in self._endpoints.items():
+            state.ttft.local.decay_to(now)
+            state.tpot.local.decay_to(now)
+            if state.ttft.local.weight or state.tpot.local.weight:
+                out[address] = json.dumps(
+                    [state.ttft.local.encode(), state.tpot.local.encode()], separators=(",", ":")
+                )
+        return out
+
+    def apply_remote(self, exports: Sequence[Mapping[bytes, bytes]]) -> None:
+        """Replace the other processes' evidence with their latest exports (summed);
+        unreadable entries count as nothing."""
+        merged: dict[str, tuple[Stats | None, Stats | None]] = {}
+        for fields in exports:
+            for raw_address, raw in fields.items():
+                try:
+                    ttft_raw, tpot_raw = json.loads(raw)
+                    ttft = Stats.decode(len(PRIOR_TTFT), ttft_raw)
+                    tpot = Stats.decode(len(PRIOR_TPOT), tpot_raw)
+                except (ValueError, TypeError):
+                    continue
+                address = raw_address.decode()
+                old_ttft, old_tpot = merged.get(address, (None, None))
+                merged[address] = (
+                    ttft if old_ttft is None else old_ttft.plus(ttft),
+                    tpot if old_tpot is None else old_tpot.plus(tpot),
+                )
+        for address, state in self._endpoints.items():
+            ttft_remote, tpot_remote = merged.pop(address, (None, None))
+            state.ttft.remote, state.tpot.remote = ttft_remote, tpot_remote
+            state.ttft.dirty = state.tpot.dirty = True
+        for address, (ttft_remote, tpot_remote) in merged.items():
+            state = self._get(address)
+            state.ttft.remote, state.tpot.remote = ttft_remote, tpot_remote
+        self._capacities_at = -math.inf

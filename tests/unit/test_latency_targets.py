@@ -1,0 +1,127 @@
+"""Latency targets: the latency-target-filter, the header, refusal and attainment."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from epp.config import parse_config
+from epp.errors import RequestError
+from epp.router import Router
+from epp.scheduling.filters.latency_target import LatencyTargetFilter, LatencyTargetParams
+from epp.scheduling.scorers.latency import LATENCY_TARGET, PredictedLatencyScorer
+from epp.state import EndpointMetrics, EndpointState
+from epp.state.fleet import FleetState
+from epp.state.inflight import Load
+from epp.state.latency import Basis, ttft_features
+from epp.state.memory import MemoryStore
+from epp.state.moves import PickRecord
+from epp.wire import SLO_TTFT_HEADER
+from tests.unit.scheduling.common import cycle, ep, req
+
+FAST, SLOW = "127.0.0.1:8001", "127.0.0.1:8002"
+
+
+def teach(fleet: FleetState, now: float) -> None:
+    """FAST prefills 20k tokens/s, SLOW 2k: a 1,000-token cold prompt takes ~0.06 s vs ~0.5 s."""
+    for address, rate in ((FAST, 20_000.0), (SLOW, 2_000.0)):
+        for i in range(40):
+            uncached = 200.0 + 100 * i
+            features = ttft_features(uncached, Load(), ep(address))
+            seconds = 0.01 + uncached / rate
+            fleet.latency.observe_ttft(address, Basis(features, 0.0), seconds, now - 5 + i / 10)
+
+
+def decide(target: float | None, on_miss: str = "best") -> tuple[list[str], list[float]]:
+    fleet = FleetState()
+    teach(fleet, 1000.0)
+    c = cycle(fleet)
+    if target is not None:
+        c.put(LATENCY_TARGET, target)
+    request = req("x" * 4000)  # ~1,000 tokens
+    candidates = [ep(FAST), ep(SLOW)]
+    PredictedLatencyScorer().produce(request, candidates, c)
+    plugin = LatencyTargetFilter(LatencyTargetParams(on_miss=on_miss))
+    kept = plugin.filter(request, candidates, c)
+    return [e.address for e in kept], list(plugin.score(request, kept, c))
+
+
+def test_only_endpoints_predicted_to_meet_the_target_remain() -> None:
+    assert decide(0.2)[0] == [FAST]
+
+
+def test_a_loose_target_prefers_the_endpoint_that_just_makes_it() -> None:
+    kept, scores = decide(1.0)
+    assert kept == [FAST, SLOW]
+    assert scores[1] > scores[0]  # SLOW wastes less headroom; FAST stays free for tight ones
+
+
+def test_missed_everywhere_keeps_all_or_refuses() -> None:
+    assert decide(0.01)[0] == [FAST, SLOW]
+    assert decide(0.01, on_miss="refuse")[0] == []
+    assert decide(None, on_miss="refuse") == ([FAST, SLOW], [1.0, 1.0])
+
+
+def _sample(result: str) -> float:
+    value = REGISTRY.get_sample_value("epp_latency_target_requests_total", {"result": result})
+    return value or 0.0
+
+
+async def router(trusted: bool = True) -> Router:
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": [FAST, SLOW]}},
+            "request": {"trusted_headers": trusted},
+            "scheduling": {
+                "profile": "slo",
+                "plugins": [
+                    {
+                        "name": "target",
+                        "type": "latency-target-filter",
+                        "parameters": {"on_miss": "refuse", "ttft_ms": 2000},
+                    }
+                ],
+                "profiles": {
+                    "slo": [
+                        {"plugin": "predicted-latency-scorer", "weight": 1},
+                        {"plugin": "target", "weight": 1},
+                        {"plugin": "max-score-picker"},
+                    ]
+                },
+            },
+        }
+    )
+    store = MemoryStore()
+    for address in (FAST, SLOW):
+        await store.put_endpoint(EndpointState(address, "main", True, EndpointMetrics(), 1.0))
+    fleet = FleetState(store)
+    teach(fleet, time.time())
+    return Router(config, fleet)
+
+
+async def test_the_header_sets_the_target_and_attainment_is_counted() -> None:
+    r = await router()
+    request = req("x" * 4000, model="tiny", headers={SLO_TTFT_HEADER: "200"})
+    decision, ticket = r.route(request)
+    assert decision.endpoints[0].address == FAST
+    assert ticket.basis is not None
+    assert ticket.basis.target == pytest.approx(0.2)
+    met = _sample("met")
+    r.first_token(PickRecord(ticket, picked_at=10.0), 10.1)
+    assert _sample("met") == met + 1
+    refused = _sample("refused")
+    with pytest.raises(RequestError) as raised:
+        r.route(req("x" * 4000, model="tiny", headers={SLO_TTFT_HEADER: "5"}))
+    assert raised.value.status == 429
+    assert raised.value.code == "latency_target_unreachable"
+    assert _sample("refused") == refused + 1
+
+
+async def test_untrusted_callers_get_the_profiles_target() -> None:
+    r = await router(trusted=False)
+    _, ticket = r.route(req("x" * 4000, model="tiny", headers={SLO_TTFT_HEADER: "5"}))
+    assert ticket.basis is not None
+    assert ticket.basis.target == pytest.approx(2.0)
