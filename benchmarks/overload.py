@@ -1,40 +1,50 @@
 """Overload: does critical traffic keep its latency while batch traffic floods the fleet?
 
-A critical stream (priority 10) at a fixed rate, half of ``--capacity`` (what the simulated
-fleet serves without queueing), plus a batch stream (priority -1) ramping from 0.5x to 3x the
-capacity. The two streams enter through different epp processes (two epps sharing Redis, each
-behind its own Envoy), on one fleet, for each admission mode: ``off``, ``shed`` (the behaviour
-before flow control) and ``queue`` (flow control). Report: docs/overload.md.
+First the fleet's capacity is measured (``--capacity`` skips this): with admission off, a
+single stream of KV-heavy requests (long unique prompts, so KV use matters) at rising rates;
+the capacity is the highest rate whose TTFT p90 stays within ``--climb`` x the lowest rate's.
+Then, for each admission mode, a critical stream (priority 10) at half the capacity plus a batch
+stream (priority -1) ramping from 0.5x to 3x the capacity, the two entering through different
+epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh fleet per run.
+``queue`` derives its concurrency limit from the calibration (Little's law, see
+:func:`_queue_limits`). Report: docs/overload.md.
 
-    .venv/bin/python -m benchmarks.overload            # about 4 minutes on 2 shared cores
+    .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
+    # about 17 minutes on 2 shared cores
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from benchmarks.loadgen import Outcome, Request, poisson_arrivals, run_stage
+from benchmarks.loadgen import Outcome, Request, StageRun, poisson_arrivals, run_stage
 from benchmarks.routers import FleetStack
-from epp.config import load_config
-from epp.devstack import envoy_binary, free_port, http_ok
-from epp.envoy_config import render
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "shed", "queue")
+SPILL = "queue + spill"
 REDIS_URL = "redis://127.0.0.1:6379/0"
+CRITICAL, BATCH = 10, -1
+# Batch may spill (used only where an overflow pool is configured: the `spill` mode).
+OBJECTIVES = {"critical": CRITICAL, "batch": {"priority": BATCH, "spill": True}}
+BLOCK_TOKENS = 16  # the h100 profile's KV block size
 
 
-def _request(priority: int, prompt: str, max_tokens: int) -> Request:
+def _request(objective: str, prompt: str, max_tokens: int) -> Request:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -42,7 +52,8 @@ def _request(priority: int, prompt: str, max_tokens: int) -> Request:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    return Request("/v1/completions", json.dumps(body).encode(), {"x-priority": str(priority)})
+    headers = {"x-gateway-inference-objective": objective}
+    return Request("/v1/completions", json.dumps(body).encode(), headers)
 
 
 def _ramp(start: float, end: float, duration: float, rng: random.Random) -> list[float]:
@@ -55,45 +66,50 @@ def _ramp(start: float, end: float, duration: float, rng: random.Random) -> list
     return out
 
 
-def _pinned_envoy(stack: FleetStack, index: int) -> str:
-    """An extra Envoy whose ext_proc goes to epp ``index`` only; returns its URL."""
-    port, health, _ = stack.epp_ports[index]
-    listen, admin = free_port(), free_port()
-    path = stack.workdir / f"envoy-epp{index}.yaml"
-    path.write_text(
-        render(
-            load_config(stack.config_path),
-            mode=stack.mode,
-            listen=f"127.0.0.1:{listen}",
-            admin=f"127.0.0.1:{admin}",
-            extproc=[f"127.0.0.1:{port}"],
-            health=[health],
+def _replica_metric(stack: FleetStack, name: str) -> list[float]:
+    """One sample of a replica gauge or counter, per replica (label sets summed)."""
+    out = []
+    for address in stack.replica_addresses:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+        out.append(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(name + "{") or line.startswith(name + " ")
+            )
         )
+    return out
+
+
+def _kv_sampler(stack: FleetStack, until: float, into: list[float]) -> None:
+    """Mean KV use over the replicas, every 0.5 s until ``until`` (monotonic)."""
+    while time.monotonic() < until:
+        into.append(statistics.fmean(_replica_metric(stack, "vllm:kv_cache_usage_perc")))
+        time.sleep(0.5)
+
+
+def _held(stack: FleetStack, index: int, priority: int) -> tuple[float, float]:
+    """Requests of ``priority`` epp ``index`` held in its queue, and their total wait (s)."""
+    name = "inference_extension_flow_control_request_queue_duration_seconds"
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.epp_ports[index][2]}/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    mine = [line for line in lines if f'priority="{priority}"' in line]
+    count = sum(float(x.rsplit(" ", 1)[1]) for x in mine if x.startswith(name + "_count"))
+    total = sum(float(x.rsplit(" ", 1)[1]) for x in mine if x.startswith(name + "_sum"))
+    return count, total
+
+
+def _spilled(stack: FleetStack, index: int) -> dict[str, int]:
+    """``{"spilled": n}`` for the requests epp ``index`` sent to an overflow pool, if any."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.epp_ports[index][2]}/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    n = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("epp_spilled_requests_total{")
     )
-    stack.spawn(
-        f"envoy-epp{index}",
-        [envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id", str(admin)],
-    )
-    deadline = time.monotonic() + 30
-    while not http_ok(f"http://127.0.0.1:{admin}/ready"):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"Envoy for epp{index} did not become ready")
-        time.sleep(0.1)
-    return f"http://127.0.0.1:{listen}"
-
-
-def _kv_sampler(stack: FleetStack, stop: threading.Event, into: list[float]) -> None:
-    import urllib.request
-
-    while not stop.wait(0.5):
-        values = []
-        for address in stack.replica_addresses:
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as resp:
-                for line in resp.read().decode().splitlines():
-                    if line.startswith("vllm:kv_cache_usage_perc"):
-                        values.append(float(line.rsplit(" ", 1)[1]))
-        if values:
-            into.append(statistics.fmean(values))
+    return {"spilled (of served)": int(n)} if n else {}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -103,137 +119,332 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _measure(
-    critical_url: str, batch_url: str, args: argparse.Namespace, batch: bool
-) -> tuple[list[Outcome], list[Outcome]]:
-    rng = random.Random(args.seed)
-    critical_at = poisson_arrivals(args.capacity / 2, args.duration, rng)
-    critical = [_request(10, f"critical {i} " * 20, args.max_tokens) for i in critical_at]
-    runs = [
-        run_stage(critical_url, critical, critical_at, request_timeout=60, drain_timeout=args.drain)
+def _prompt(kind: str, i: int, words: int) -> str:
+    # The request's own number starts the prompt, so no two requests share a KV block.
+    return f"{kind} {i} " + "the quick brown fox jumps over a lazy dog " * (words // 9)
+
+
+def _requests(kind: str, count: int, args: argparse.Namespace) -> list[Request]:
+    """``kind`` is the objective too (critical or batch)."""
+    return [
+        _request(kind, _prompt(kind, i, args.prompt_words), args.max_tokens) for i in range(count)
     ]
-    if batch:
-        batch_at = _ramp(args.capacity / 2, 3 * args.capacity, args.duration, rng)
-        requests = [_request(-1, f"batch {i} " * 20, args.max_tokens) for i in batch_at]
-        runs.append(
-            run_stage(batch_url, requests, batch_at, request_timeout=60, drain_timeout=args.drain)
-        )
-    results = await asyncio.gather(*runs)
-    return results[0].outcomes, (results[1].outcomes if batch else [])
 
 
-def _admission(mode: str, args: argparse.Namespace) -> dict[str, object]:
-    """``off`` and ``shed`` as before flow control (utilisation thresholds only); ``queue``
-    with per-endpoint concurrency limits and a share of them reserved for priority >= 0."""
-    if mode != "queue":
-        return {"mode": mode}
+def _ttfts(outcomes: list[Outcome]) -> list[float]:
+    return [o.ttft for o in outcomes if o.ok and o.ttft is not None]
+
+
+def _sim_args(args: argparse.Namespace) -> list[str]:
+    return [
+        "--profile",
+        "h100",
+        "--time-scale",
+        str(args.time_scale),
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """The admission-off ramp: per rate, TTFT p50/p90 and mean latency; the capacity found."""
+
+    stages: list[tuple[float, float, float, float]]  # rate, TTFT p50, TTFT p90, mean e2e
+    capacity: float
+    latency: float  # mean end-to-end latency at the capacity, seconds
+    prompt_tokens: float  # mean prompt tokens per request, as the replicas counted them
+
+
+def _stack(
+    workdir: Path, args: argparse.Namespace, admission: dict[str, Any], epps: int = 2
+) -> FleetStack:
+    workdir.mkdir(parents=True)
+    return FleetStack(
+        workdir,
+        replicas=args.replicas,
+        epp_count=epps,
+        redis_url=REDIS_URL,
+        sim_args=_sim_args(args),
+        config_extra={
+            "store": {"key_prefix": f"epp-overload-{uuid.uuid4().hex[:8]}"},
+            "admission": admission,
+            "request": {"objectives": OBJECTIVES},
+        },
+    )
+
+
+def _calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
+    stages: list[tuple[float, float, float, float]] = []
+    stack = _stack(workdir / "calibrate", args, {"mode": "off"})
+    with stack:
+        stack.start(timeout=60)
+        url = stack.pinned_envoy(0)
+        rate = args.calibrate_step
+        while rate <= args.calibrate_max:
+            rng = random.Random(args.seed)
+            at = poisson_arrivals(rate, args.calibrate_stage, rng)
+            reqs = _requests("critical", len(at), args)
+            run = asyncio.run(
+                run_stage(url, reqs, at, request_timeout=120, drain_timeout=args.drain)
+            )
+            ttft = _ttfts(run.outcomes)
+            e2e = [o.finished - o.started for o in run.outcomes if o.ok]
+            stages.append((rate, _pct(ttft, 0.5), _pct(ttft, 0.9), statistics.fmean(e2e)))
+            print(f"calibrate {rate:g}/s: TTFT p50 {stages[-1][1]:.3f} p90 {stages[-1][2]:.3f}")
+            if stages[-1][2] > args.climb * stages[0][2]:
+                break
+            rate += args.calibrate_step
+        counts = _replica_metric(stack, "vllm:request_prompt_tokens_count")
+        sums = _replica_metric(stack, "vllm:request_prompt_tokens_sum")
+    ok = [s for s in stages if s[2] <= args.climb * stages[0][2]]
+    best = ok[-1] if ok else stages[0]
+    return Calibration(stages, best[0], best[3], sum(sums) / max(1.0, sum(counts)))
+
+
+def _queue_limits(cal: Calibration, args: argparse.Namespace, headroom: float) -> dict[str, Any]:
+    """Flow control sized from the calibration and the engines' KV size, not guessed.
+
+    Two limits on the requests epp has in flight per endpoint (requests rather than tokens:
+    epp estimates a prompt's tokens from its characters, a quarter of what this tokenizer
+    makes of these prompts, so a token limit would be in the wrong unit):
+
+    - critical (``max_requests``): as many as the engine's KV cache holds. Critical work is
+      held only when the engine could not start it anyway; below that it goes straight in.
+    - batch: what a replica holds at the measured capacity. Little's law: at the capacity
+      ``capacity x latency`` requests are in flight, ``/ replicas`` per replica
+      (x ``headroom``). Past it, batch waits in epp rather than in the engines, where it
+      would take the KV cache and the prefill time critical requests need.
+
+    ``sheddable_reserve`` is the gap between the two. The utilisation thresholds are left to
+    these limits (KV at 0.95, the waiting queue at 50: "past anything the limits allow"), and
+    metrics may be 1 s old before they count as full (a noisy 2-core machine delays scrapes).
+    """
+    kv_requests = args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)
+    critical = max(1, int(kv_requests))
+    batch = min(critical, cal.capacity * cal.latency / args.replicas * headroom)
     return {
-        "mode": mode,
-        "max_requests": args.max_requests,
-        "sheddable_reserve": args.reserve,
+        "mode": "queue",
+        "max_requests": critical,
+        "sheddable_reserve": round(max(0.0, 1 - batch / critical), 3),
+        "kv_threshold": 0.95,
+        "queue_threshold": 50,
+        "stale_seconds": 1.0,
         "ttl": args.ttl,
-        "bands": {-1: {"capacity": args.batch_capacity, "ttl": args.ttl}},
+        "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
     }
 
 
-def _run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
-    stack = FleetStack(
-        workdir / mode,
-        replicas=args.replicas,
-        epp_count=2,
-        redis_url=REDIS_URL,
-        sim_args=["--profile", "h100", "--time-scale", str(args.time_scale)],
-        config_extra={
-            "store": {"key_prefix": f"epp-overload-{uuid.uuid4().hex[:8]}"},
-            "admission": _admission(mode, args),
-        },
-    )
-    (workdir / mode).mkdir(parents=True)
-    with stack:
+def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, admission section) per row: ``off`` and ``shed`` as before flow control
+    (utilisation thresholds only), ``queue`` once per ``--headroom``."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for mode in args.modes:
+        if mode != "queue":
+            out.append((mode, {"mode": mode}))
+            continue
+        for h in args.headroom:
+            out.append(("queue" if h == 1 else f"queue, batch x{h:g}", _queue_limits(cal, args, h)))
+    if args.spill:
+        out.append((SPILL, _queue_limits(cal, args, args.headroom[0])))
+    return out
+
+
+async def _measure(
+    critical_url: str, batch_url: str, capacity: float, args: argparse.Namespace, batch: bool
+) -> tuple[StageRun, StageRun | None]:
+    rng = random.Random(args.seed)
+    critical_at = poisson_arrivals(capacity / 2, args.duration, rng)
+    critical = _requests("critical", len(critical_at), args)
+    runs = [
+        run_stage(
+            critical_url, critical, critical_at, request_timeout=120, drain_timeout=args.drain
+        )
+    ]
+    if batch:
+        batch_at = _ramp(capacity / 2, 3 * capacity, args.duration, rng)
+        requests = _requests("batch", len(batch_at), args)
+        runs.append(
+            run_stage(batch_url, requests, batch_at, request_timeout=120, drain_timeout=args.drain)
+        )
+    results = await asyncio.gather(*runs)
+    return results[0], (results[1] if batch else None)
+
+
+def _fate(o: Outcome) -> str:
+    if o.ok:
+        return "served"
+    if o.error.startswith("HTTP 429") and "Retry after" in o.error:
+        return "429 + Retry-After"
+    return o.error.split(":")[0] if o.error.startswith("HTTP") else "error"
+
+
+def _run_mode(
+    mode: str, admission: dict[str, Any], cal: Calibration, args: argparse.Namespace, workdir: Path
+) -> dict[str, Any]:
+    stack = _stack(workdir / "home", args, admission)
+    with contextlib.ExitStack() as running:
+        if mode == SPILL:
+            # The other region: its own fleet behind its own Envoy and epp (admission off).
+            region = running.enter_context(_stack(workdir / "region", args, {"mode": "off"}, 1))
+            region.start(timeout=60)
+            home = {"endpoints": stack.replica_addresses, "overflow": ["region"]}
+            gateway = region.url.removeprefix("http://")
+            overflow = {
+                "gateway": [gateway],
+                "endpoints": region.replica_addresses,
+                # What the region holds at its capacity (Little's law, as for home batch).
+                "max_requests": max(1, round(cal.capacity * cal.latency)),
+            }
+            stack.config_extra |= {"pools": {"main": home}, "overflow": {"region": overflow}}
+        running.enter_context(stack)
         stack.start(timeout=60)
-        critical_url, batch_url = _pinned_envoy(stack, 0), _pinned_envoy(stack, 1)
-        unloaded: list[Outcome] = []
+        critical_url, batch_url = stack.pinned_envoy(0), stack.pinned_envoy(1)
+        unloaded: list[float] = []
         if mode == "off":
-            unloaded, _ = asyncio.run(_measure(critical_url, batch_url, args, batch=False))
+            alone, _ = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, False))
+            unloaded = _ttfts(alone.outcomes)
         kv: list[float] = []
-        stop = threading.Event()
-        sampler = threading.Thread(target=_kv_sampler, args=(stack, stop, kv), daemon=True)
+        sampler = threading.Thread(
+            target=_kv_sampler, args=(stack, time.monotonic() + args.duration, kv), daemon=True
+        )
         sampler.start()
-        critical, batch = asyncio.run(_measure(critical_url, batch_url, args, batch=True))
-        stop.set()
-        sampler.join(5)
-    ttft = [o.ttft for o in critical if o.ok and o.ttft is not None]
-    outcomes = Counter(
-        "served" if o.ok else (o.error.split(":")[0] if o.error.startswith("HTTP") else "error")
-        for o in batch
-    )
+        critical, batch = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, True))
+        sampler.join(10)
+        held = _held(stack, 0, CRITICAL)
+        spilled = _spilled(stack, 1)
+    assert batch is not None
+    ttft = _ttfts(critical.outcomes)
+    # Goodput: batch requests completed within the arrival window (work still queued or
+    # running when the load stops is not counted).
+    first = min(o.started for o in batch.outcomes if o.started)
+    in_window = sum(o.ok and o.finished - first <= args.duration for o in batch.outcomes)
     return {
         "mode": mode,
-        "unloaded_ttft": [o.ttft for o in unloaded if o.ok and o.ttft is not None],
+        "unloaded_ttft": unloaded,
         "critical_p50": _pct(ttft, 0.5),
         "critical_p99": _pct(ttft, 0.99),
-        "critical_ok": sum(o.ok for o in critical),
-        "critical_sent": len(critical),
-        "batch_goodput": outcomes["served"] / args.duration,
-        "batch": dict(outcomes),
+        "critical_ok": sum(o.ok for o in critical.outcomes),
+        "critical_sent": len(critical.outcomes),
+        "critical_held": held,
+        "batch_goodput": in_window / args.duration,
+        "batch": dict(Counter(_fate(o) for o in batch.outcomes)) | spilled,
         "kv_mean": statistics.fmean(kv) if kv else float("nan"),
     }
 
 
-def _report(results: list[dict[str, object]], args: argparse.Namespace) -> str:
-    unloaded = [t for r in results for t in r["unloaded_ttft"]]  # type: ignore[attr-defined]
+def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    unloaded = [t for r in results for t in r["unloaded_ttft"]]
     base50, base99 = _pct(unloaded, 0.5), _pct(unloaded, 0.99)
-    left = args.capacity / 2
+    left = cal.capacity / 2
+    limits = [_queue_limits(cal, args, h) for h in args.headroom]
     lines = [
         "# Overload: critical latency under a batch flood",
         "",
         f"Generated by `.venv/bin/python -m benchmarks.overload` ({args.replicas} simulated h100 "
-        f"replicas at time scale {args.time_scale:g}, {args.duration:g} s per mode). Critical "
-        f"(priority 10) at {args.capacity / 2:g}/s through epp 0; batch (priority -1) ramping "
-        f"{args.capacity / 2:g} -> {3 * args.capacity:g}/s through epp 1 (two epps sharing "
-        f"Redis, each behind its own Envoy). `--capacity {args.capacity:g}` is the rate the "
-        "fleet was assumed to serve without queueing (not calibrated in this run). `off` and "
-        "`shed` use the utilisation thresholds only (the behaviour before flow control); "
-        f"`queue` adds `max_requests: {args.max_requests}` per endpoint with "
-        f"`sheddable_reserve: {args.reserve:g}`, queue TTL {args.ttl:g} s.",
+        f"replicas with {args.num_gpu_blocks} KV blocks of 16 tokens each, time scale "
+        f"{args.time_scale:g}; prompts of about {cal.prompt_tokens:.0f} tokens, "
+        f"{args.max_tokens} output tokens; {args.duration:g} s per run).",
         "",
-        f"Unloaded critical TTFT: p50 {base50:.3f} s, p99 {base99:.3f} s.",
+        "## Capacity (admission off, one stream)",
         "",
-        "| admission | critical TTFT p50 | critical TTFT p99 (x unloaded) | critical ok | "
-        "batch goodput (/s, % of the capacity left) | mean KV use | batch outcomes |",
-        "|---|---|---|---|---|---|---|",
+        "| rate (/s) | TTFT p50 | TTFT p90 | mean latency |",
+        "|---|---|---|---|",
+        *(
+            f"| {r:g} | {p50:.3f} s | {p90:.3f} s | {e2e:.2f} s |"
+            for r, p50, p90, e2e in cal.stages
+        ),
+        "",
+        f"Capacity: **{cal.capacity:g}/s**, the highest rate whose TTFT p90 stayed within "
+        f"{args.climb:g}x the lowest rate's (mean latency there {cal.latency:.2f} s).",
+        "",
+        "## Critical at half the capacity, batch ramping to 3x",
+        "",
+        f"Critical (priority {CRITICAL}) at {left:g}/s through epp 0; batch (priority {BATCH}) "
+        f"ramping {left:g} -> {3 * cal.capacity:g}/s through epp 1 (two epps sharing Redis, "
+        "each behind its own Envoy). `off` and `shed` use the utilisation thresholds only (the "
+        "behaviour before flow control); `queue` (see `_queue_limits`) uses "
+        f"`max_requests: {limits[0]['max_requests']}` per endpoint (what the engine's KV "
+        "cache holds) and a `sheddable_reserve` that holds batch back past what a replica "
+        "holds at the measured capacity (x the batch factor in the row's name): "
+        + ", ".join(f"{r['sheddable_reserve']:g}" for r in limits)
+        + f"; batch TTL {args.ttl:g} s, batch band capacity {args.batch_capacity}."
+        + (
+            f" `{SPILL}`: `queue`, plus a second fleet like the first (its own Envoy and "
+            "epp, admission off) as the home pool's overflow pool; batch is spill-eligible, "
+            "`max_requests` of the overflow is what that fleet holds at the capacity."
+            if args.spill
+            else ""
+        ),
+        "",
+        f"Unloaded critical TTFT (critical alone, admission off): p50 {base50:.3f} s, "
+        f"p99 {base99:.3f} s.",
+        "",
+        "| admission | run | critical TTFT p50 | critical TTFT p99 (x unloaded) | critical ok "
+        f"| critical held by epp (n, mean) | batch goodput (/s, % of the {left:g}/s left) "
+        "| mean KV use | batch outcomes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        p99 = float(r["critical_p99"])  # type: ignore[arg-type]
-        goodput = float(r["batch_goodput"])  # type: ignore[arg-type]
+        p99, goodput = r["critical_p99"], r["batch_goodput"]
         lines.append(
-            f"| {r['mode']} | {float(r['critical_p50']):.3f} s "  # type: ignore[arg-type]
+            f"| {r['mode']} | {r['run']} | {r['critical_p50']:.3f} s "
             f"| {p99:.3f} s ({p99 / base99:.1f}x) | {r['critical_ok']}/{r['critical_sent']} "
+            f"| {_held_text(r['critical_held'])} "
             f"| {goodput:.2f} ({100 * goodput / left:.0f}%) "
-            f"| {100 * float(r['kv_mean']):.1f}% | {r['batch']} |"  # type: ignore[arg-type]
+            f"| {100 * r['kv_mean']:.1f}% | {r['batch']} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def _held_text(held: tuple[float, float]) -> str:
+    count, total = held
+    return f"{count:.0f}, {1000 * total / count:.0f} ms" if count else "0"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--capacity", type=float, default=8.0, help="fleet capacity, req/s")
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--capacity", type=float, help="skip calibration: fleet capacity, req/s")
+    parser.add_argument("--latency", type=float, default=2.0, help="with --capacity: latency, s")
+    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=3.0)
-    parser.add_argument("--duration", type=float, default=40.0)
-    parser.add_argument("--drain", type=float, default=30.0)
+    parser.add_argument("--num-gpu-blocks", type=int, default=300)
+    parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-requests", type=int, default=4)
+    parser.add_argument("--calibrate-step", type=float, default=1.0)
+    parser.add_argument("--calibrate-max", type=float, default=20.0)
+    parser.add_argument("--calibrate-stage", type=float, default=15.0)
+    parser.add_argument("--climb", type=float, default=1.5, help="TTFT p90 growth = saturated")
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--drain", type=float, default=30.0)
+    parser.add_argument(
+        "--headroom", type=float, nargs="+", default=[1.0, 1.5], help="queue: batch limit factors"
+    )
     parser.add_argument("--batch-capacity", type=int, default=64)
     parser.add_argument("--ttl", type=float, default=10.0)
-    parser.add_argument("--reserve", type=float, default=0.25, help="sheddable_reserve")
+    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--spill",
+        action="store_true",
+        help="add a queue + spill run: a second fleet (its own Envoy and epp) as overflow pool",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="epp-overload-") as tmp:
-        results = [_run_mode(mode, args, Path(tmp)) for mode in args.modes]
-    report = _report(results, args)
+        if args.capacity is None:
+            cal = _calibrate(args, Path(tmp))
+        else:
+            prompt = args.prompt_words * 2.2  # this tokenizer's ratio on these prompts
+            cal = Calibration([], args.capacity, args.latency, prompt)
+        results = []
+        for run in range(1, args.repeat + 1):
+            for i, (mode, admission) in enumerate(_variants(cal, args)):
+                result = _run_mode(mode, admission, cal, args, Path(tmp) / f"{i}-{run}")
+                results.append({**result, "run": run})
+                print(json.dumps({k: v for k, v in result.items() if k != "unloaded_ttft"}))
+    report = _report(cal, results, args)
     args.output.write_text(report)
     print(report)
 

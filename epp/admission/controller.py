@@ -67,8 +67,10 @@ class FlowController:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = FlowQueue(self._limits)
-        # Nobody waiting and room in the pool: no queueing at all (the common case).
-        if not len(queue) and not self._saturated(key, priority < 0):
+        # Nobody waiting at this priority or above, and room in the pool for it: no queueing
+        # at all (the common case; and critical work never waits behind held batch work).
+        head = queue.head_priority()
+        if (head is None or head < priority) and not self._saturated(key, priority < 0):
             return
         started = self._clock()
         waiter: _Waiter = asyncio.get_running_loop().create_future()

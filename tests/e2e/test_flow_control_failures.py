@@ -33,6 +33,12 @@ def _running(address: str) -> float:
     )
 
 
+def _inflight_seen(stack: Stack, index: int, endpoint: str) -> float:
+    """Requests in flight on ``endpoint`` (its own and the group's), as epp ``index`` sees."""
+    samples = epp_metric(stack, index, "epp_endpoint_inflight_requests")
+    return sum(v for labels, v in samples.items() if f'endpoint="{endpoint}"' in labels)
+
+
 def _served_by_replicas(addresses: list[str]) -> float:
     return sum(
         sum(metric_values(f"http://{a}/metrics", "vllm:request_prompt_tokens_count").values())
@@ -63,17 +69,21 @@ def test_killed_epp_fails_only_its_held_requests(tmp_path: Path) -> None:
             completion_in_background(stack.url, fills, f"fill {sent}")
             wait_until(lambda n=sent: sum(_running(a) for a in replicas) > n, 10, "fill lands")
         filled = sum(_running(a) for a in replicas)
+        # Both epps must see every replica full (the in-flight counts sync through Redis),
+        # or an epp that has not heard of the other's fills yet routes instead of holding.
+        for index in (0, 1):
+            wait_until(
+                lambda i=index: all(_inflight_seen(stack, i, a) >= 1 for a in replicas),
+                10,
+                f"epp{index} sees every replica full",
+            )
         # Four requests held by each epp (each through an Envoy pinned to it).
         held: list[Reply] = []
         for index in (0, 1):
             url = stack.pinned_envoy(index)
             for i in range(4):
                 completion_in_background(url, held, f"held {index}.{i}")
-                wait_until(
-                    lambda n=i, e=index: _held(stack, e) == n + 1,
-                    10,
-                    f"held {index}.{i} {_held(stack, 0)} {_held(stack, 1)}",
-                )
+                wait_until(lambda n=i, e=index: _held(stack, e) == n + 1, 10, f"held {index}.{i}")
         on_killed = on_survivor = 4
 
         stack.procs["epp1"].kill()

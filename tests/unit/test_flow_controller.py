@@ -116,3 +116,21 @@ async def test_a_request_held_for_an_empty_pool_asks_for_a_replica() -> None:
         await asyncio.wait_for(held, 5)
     assert expired.value.status == 503
     assert router.demand.signal("main", ready=0).desired_replicas == 1
+
+
+async def test_critical_goes_past_held_batch_while_there_is_room_for_it() -> None:
+    # Saturated for sheddable work only (the reserve keeps room for priority >= 0).
+    flow = FlowController(QueueLimits(100, BandLimits(10, 30.0)), lambda _key, sheddable: sheddable)
+    batch = asyncio.create_task(flow.admit("m", -1, "f"))
+    await _until_queued(flow, 1)
+    # Not queued behind the batch request, not even for one dispatch tick.
+    critical = asyncio.create_task(flow.admit("m", 10, "f"))
+    await asyncio.sleep(0)
+    assert critical.done()
+    assert flow.queued() == 1
+    # An arrival of the held band's priority waits its turn (FIFO within the flow).
+    same = asyncio.create_task(flow.admit("m", -1, "f"))
+    await _until_queued(flow, 2)
+    batch.cancel()
+    same.cancel()
+    await asyncio.gather(batch, same, return_exceptions=True)

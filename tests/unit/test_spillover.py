@@ -12,9 +12,11 @@ from epp.admission.saturation import SaturationDetector
 from epp.admission.spillover import OverflowPool, Spillover, inflight_key
 from epp.config import ConfigError, parse_config
 from epp.envoy_config import render
+from epp.extproc import responses
 from epp.request import parse_request
 from epp.state.inflight import Load
 from epp.state.snapshot import EndpointMetrics, EndpointState
+from epp.wire import DESTINATION, LB_NAMESPACE, OVERFLOW
 from tests.helpers.envoy import validate
 
 HOME = "127.0.0.1:8001"
@@ -157,3 +159,16 @@ def test_envoy_routes_the_overflow_header_to_the_overflow_gateway(tmp_path: Path
     path.write_text(text)
     result = validate(path)
     assert result.returncode == 0, result.stdout
+
+
+def test_a_spill_answer_names_the_overflow_and_no_endpoint() -> None:
+    for answer in (
+        responses.route_in_body("", [], overflow="eu").request_body.response,
+        responses.route_in_headers("", [], 10, overflow="eu").request_headers.response,
+    ):
+        sets = {h.header.key: h.header.raw_value for h in answer.header_mutation.set_headers}
+        assert sets.get(OVERFLOW) == b"eu"
+        assert DESTINATION not in sets
+        assert answer.clear_route_cache  # the route is chosen again, by the overflow header
+    message = responses.route_in_body("", [], overflow="eu")
+    assert DESTINATION not in message.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
