@@ -8,8 +8,9 @@ over OTLP/HTTP (protobuf) by a batch processor on its own thread. A sampled requ
   endpoints;
 - ``epp.parse``, ``epp.admission`` (preparation and the flow-control queue, when the request
   went through them), ``epp.schedule`` (the profile) with one child span per plugin lap
-  (producer, filter, scorer, picker, post-pick), and ``epp.response`` (from the response
-  headers to the end: status, served endpoint, TTFT, TPOT, token usage).
+  (producer, filter, scorer, picker), one span per post-pick hook (a child of the request:
+  that bookkeeping runs after the answer has gone out), and ``epp.response`` (from the
+  response headers to the end: status, served endpoint, TTFT, TPOT, token usage).
 
 Cost: with tracing off, nothing of this module runs and no span object exists. With it on,
 the request path only records timestamps (:class:`RequestTrace`); the spans are built with
@@ -157,7 +158,7 @@ class RequestTrace:
         for point, plugin, started, ended in self.laps:
             self._tracer.start_span(
                 f"{point} {plugin.name}",
-                context=schedule,
+                context=context if point == "post_pick" else schedule,
                 attributes={
                     "epp.plugin.extension_point": point,
                     "epp.plugin.type": plugin.type_name,
