@@ -3,6 +3,8 @@
 - ``GET /metrics``: Prometheus exposition.
 - ``GET /debug/endpoints``: every endpoint as epp sees it now (ready, scraped metrics, age, the
   in-flight work epp routed to it, its passive-health circuit, its learned latency model).
+  Strict JSON: a value that has none (the age of an endpoint never scraped) is ``null``, never
+  ``Infinity``.
 - ``GET /debug/decisions`` and ``/debug/decisions/{request_id}``: why recent requests went where
   they did (every candidate's weighted scores), kept when ``routing.explain`` is on or the log
   level is debug. Clients can send their own ``x-request-id`` to find their request.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -48,14 +52,14 @@ def build_app(router: Router, server: ServerConfig | None = None) -> web.Applica
                 "ready": state.ready,
                 "age_seconds": round(state.age(now), 3),
                 "consecutive_failures": state.failures,
-                "metrics": _jsonable(dataclasses.asdict(state.metrics)),
+                "metrics": dataclasses.asdict(state.metrics),
                 "in_flight": dataclasses.asdict(inflight.load(address)),
                 "health": router.fleet.health.describe(address, now),
                 "latency": router.fleet.latency.describe(address, now),
             }
             for address, state in sorted(router.fleet.store.snapshot().endpoints.items())
         }
-        return web.json_response(data)
+        return web.json_response(_jsonable(data), dumps=_strict_dumps)
 
     async def decisions(_: web.Request) -> web.Response:
         return web.json_response(list(router.decisions.values())[-100:])
@@ -115,8 +119,19 @@ def _loopback(remote: str | None) -> bool:
 
 
 def _jsonable(value: object) -> object:
+    """``value`` as strict JSON can hold it: sets sorted, non-finite numbers (never scraped:
+    age ``inf``) as None."""
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, frozenset | set):
         return sorted(value)
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
+
+
+def _strict_dumps(value: object) -> str:
+    # A non-finite number left in would fail here rather than reach a client as invalid JSON.
+    return json.dumps(value, allow_nan=False)

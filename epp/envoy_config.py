@@ -317,6 +317,9 @@ def _route(config: Config, overflow: str | None = None) -> dict[str, Any]:
         # ext_proc answers 413 past it, and the router keeps the body for retries only up to
         # it (a larger body is sent once, without fallback).
         "request_body_buffer_limit": config.routing.max_body_bytes,
+        # A replica's own x-epp-scores (one behind another epp) never reaches the client:
+        # Envoy removes route response headers before it adds them, so epp's scores replace it.
+        "response_headers_to_remove": [SCORES],
         # Explain mode: epp puts every candidate's scores in envoy.lb metadata; echo them to the
         # client. Absent metadata formats as an empty value, and empty headers are not added.
         "response_headers_to_add": [

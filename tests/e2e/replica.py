@@ -6,6 +6,9 @@ writes its stream ``piece`` bytes at a time with a pause between writes, so Envo
 hands epp) the event split anywhere. It reports usage like vLLM (``stream_options.
 include_usage``) and serves enough of a vLLM ``/metrics`` page for epp to call it ready.
 
+It also answers with its own ``x-epp-scores`` header (:data:`OWN_SCORES`), as a replica behind
+another epp would: what the client receives in that header must be this epp's or nothing.
+
 Prompts steer it: one containing ``BREAK`` gets a 200, one token, and then a dropped connection
 (a failure after the response began). Every request body it received is kept in ``received``.
 """
@@ -21,6 +24,8 @@ from aiohttp import web
 
 from epp.devstack import free_port
 
+# The x-epp-scores header the replica sends itself.
+OWN_SCORES = '{"from":"the replica"}'
 TOKENS = ("Once", " upon", " a", " time", " there", " was", " a", " router", ".")
 
 
@@ -76,7 +81,11 @@ class TrickleReplica:
         self.received.append(body)
         prompt = str(body["messages"][-1]["content"])
         resp = web.StreamResponse(
-            headers={"content-type": "text/event-stream", "x-served-by": self.address}
+            headers={
+                "content-type": "text/event-stream",
+                "x-served-by": self.address,
+                "x-epp-scores": OWN_SCORES,
+            }
         )
         await resp.prepare(request)
 

@@ -48,6 +48,12 @@ PROFILE = {
 }
 # Requests of ~40-100 ms, enough KV for every prefix group (no evictions muddle hit rates).
 SIM_ARGS = ["--time-scale", "0.05", "--num-gpu-blocks", "20000"]
+# For the stickiness tests: no latency-outlier ejection. A group's first request prefills its
+# whole prefix, so the replica that drew the most new groups answers a few times slower for a
+# moment, more so on a busy machine, and passive health (docs/health.md) then ejected it and its
+# groups moved (seen: stickiness 0.83-0.89, ejections_total{reason="latency"} 1 at one epp).
+# Errors still eject.
+STEADY_HEALTH = {"latency_factor": 1000.0}
 GROUP_PREFIX = "You are assistant {g}. " + "Follow the house style guide carefully. " * 60
 
 
@@ -110,11 +116,30 @@ def warm_up(stack: Stack) -> None:
         time.sleep(0.02)
 
 
+def picks_applied_everywhere(stack: Stack) -> bool:
+    """Whether every epp has applied everything the others have shipped so far.
+
+    Shipped (``epp_shared_picks_total{direction="sent"}``) counts what reached Redis; each
+    epp applies the others' entries in stream order. A pick is shipped within the shipper's
+    linger (5 ms), long before its response (40 ms or more here) reaches the client: checked
+    after a reply, true means that reply's pick is known to every epp.
+    """
+    counts = [epp_metric(stack, i, "epp_shared_picks_total") for i in range(stack.epp_count)]
+    sent = [c.get('{direction="sent"}', 0.0) for c in counts]
+    return all(
+        c.get('{direction="applied"}', 0.0) >= sum(sent) - sent[j] for j, c in enumerate(counts)
+    )
+
+
 def prefix_groups(
     stack: Stack, groups: int = 12, per_group: int = 8
 ) -> tuple[dict[int, Counter[str]], float]:
     """Each group's requests one after another, groups concurrently.
 
+    With several epps, a group's next request waits until its previous pick has reached the
+    other epps: the request could otherwise reach an epp before the pick does (a few ms
+    through Redis, longer on a machine whose cores are busy), and what is measured is where
+    groups go once the epps share what they learned, not the race with the next request.
     Returns each group's served-replica counts and the replicas' prefix-cache hit rate.
     """
     warm_up(stack)
@@ -128,6 +153,16 @@ def prefix_groups(
             if reply.status != 200:
                 errors.append(f"{reply.status} {reply.body[:200]!r}")
             served[g][reply.served_by or "?"] += 1
+            if stack.epp_count > 1:
+                try:
+                    wait_for(
+                        lambda: picks_applied_everywhere(stack),
+                        10,
+                        "the pick at the other epps",
+                    )
+                except AssertionError as exc:  # reported by the test's thread, not lost here
+                    errors.append(str(exc))
+                    return
 
     threads = [threading.Thread(target=run, args=(g,)) for g in range(groups)]
     for t in threads:
@@ -135,6 +170,8 @@ def prefix_groups(
     for t in threads:
         t.join(60)
     assert not errors, errors
+    ejected = [epp_metric(stack, i, "epp_endpoint_ejections_total") for i in range(stack.epp_count)]
+    assert not any(ejected), f"a replica was ejected: groups had to move {ejected}"
     after_hits, after_queries = cache_counters(stack)
     return served, (after_hits - hits) / (after_queries - queries)
 
@@ -211,10 +248,10 @@ def test_prefix_groups_stick_whichever_epp_routes_them(
     tmp_path: Path, own_redis: redis_servers.RedisServer
 ) -> None:
     needs_prefix_scorer()
-    with ha_stack(tmp_path / "one", None, epps=1) as single:
+    with ha_stack(tmp_path / "one", None, epps=1, health=STEADY_HEALTH) as single:
         single.start()
         _, single_rate = prefix_groups(single)
-    with ha_stack(tmp_path / "two", own_redis.url) as stack:
+    with ha_stack(tmp_path / "two", own_redis.url, health=STEADY_HEALTH) as stack:
         stack.start()
         before = [sum(picks(stack, i).values()) for i in range(2)]
         served, pair_rate = prefix_groups(stack)
@@ -451,7 +488,7 @@ def test_two_epps_on_a_redis_cluster(tmp_path: Path) -> None:
     needs_prefix_scorer()
     cluster = redis_servers.ClusterSetup(tmp_path / "cluster").start()
     try:
-        with ha_stack(tmp_path / "stack", cluster.url) as stack:
+        with ha_stack(tmp_path / "stack", cluster.url, health=STEADY_HEALTH) as stack:
             stack.start()
             served, _ = prefix_groups(stack)
             leases = [epp_metric(stack, i, "epp_shared_leases")[""] for i in (0, 1)]

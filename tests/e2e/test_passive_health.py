@@ -3,9 +3,10 @@ requests is ejected within seconds, clients barely notice (Envoy retries 5xx on 
 fallback), and it returns once the fault is cleared; half the pool faulty never ejects more
 than the configured share.
 
-Four simulated replicas, one epp, sequential load. Faults are set on a running replica with
-``POST /admin/faults`` (epp.sim.faults). The figures each test measures are printed (``-s``)
-and recorded in docs/health.md.
+Four simulated replicas, one epp, sequential load, buffered mode, and the error-rate case
+again on a full-duplex stack (responses echoed chunk by chunk). Faults are set on a running
+replica with ``POST /admin/faults`` (epp.sim.faults). The figures each test measures are
+printed (``-s``) and recorded in docs/health.md.
 """
 
 from __future__ import annotations
@@ -35,9 +36,18 @@ HEALTH = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from health_stack(tmp_path_factory, "buffered")
+
+
+@pytest.fixture(scope="module")
+def full_duplex_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from health_stack(tmp_path_factory, "full-duplex")
+
+
+def health_stack(factory: pytest.TempPathFactory, mode: str) -> Iterator[Stack]:
     s = make_stack(
-        tmp_path_factory.mktemp("health"),
-        "buffered",
+        factory.mktemp(f"health-{mode}"),
+        mode,
         "memory",
         replicas=4,
         config_extra={"routing": {"fallbacks": 1}, "health": HEALTH},
@@ -132,6 +142,15 @@ def eject_and_return(stack: Stack, address: str, what: str, **faults: object) ->
 
 def test_a_replica_failing_half_its_requests_is_ejected_and_returns(stack: Stack) -> None:
     eject_and_return(stack, stack.replica_addresses[0], "error_rate 0.5", error_rate=0.5)
+
+
+def test_in_full_duplex_mode_a_failing_replica_is_ejected_and_returns(
+    full_duplex_stack: Stack,
+) -> None:
+    """The same verdicts from responses epp echoes chunk by chunk (FULL_DUPLEX_STREAMED): the
+    status, the reset and the served endpoint are read on that path too."""
+    address = full_duplex_stack.replica_addresses[0]
+    eject_and_return(full_duplex_stack, address, "full duplex, error_rate 0.5", error_rate=0.5)
 
 
 def test_a_slow_replica_is_ejected_as_a_latency_outlier_and_returns(stack: Stack) -> None:

@@ -24,9 +24,11 @@ import pytest
 from epp.devstack import Stack
 from tests.e2e.client import metric_values, request
 from tests.e2e.conftest import make_stack
-from tests.e2e.replica import TOKENS, TrickleReplica
+from tests.e2e.replica import OWN_SCORES, TOKENS, TrickleReplica
 
 SERVED = "x-gateway-destination-endpoint-served"
+# Scores go only to callers that send it (routing.explain_token); decisions are kept for all.
+EXPLAIN_TOKEN = "let-me-see"
 # The first SSE event carrying output, as the client sees it (vLLM's role chunk has "").
 FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 
@@ -70,7 +72,7 @@ def fleet(
         "memory",
         replicas=2,
         config_extra={
-            "routing": {"explain": True, "fallbacks": 1},
+            "routing": {"explain": True, "explain_token": EXPLAIN_TOKEN, "fallbacks": 1},
             "models": {"trickle": {"pools": ["trickle"]}},
             "pools": {"trickle": {"endpoints": [r.address for r in trickle]}},
         },
@@ -166,6 +168,22 @@ def chat(prompt: str, max_tokens: int = 6, model: str = "tiny", **extra: Any) ->
         "max_tokens": max_tokens,
         **extra,
     }
+
+
+def test_the_client_gets_epps_scores_or_none_never_the_replicas(fleet: Fleet) -> None:
+    """The trickle replicas send their own x-epp-scores: a caller epp explains nothing to
+    receives no such header, a trusted caller receives epp's scores in its place."""
+    body = chat("who scored this?", model="trickle", stream=True)
+    plain = stream(fleet.stack.url, "/v1/chat/completions", body)
+    assert plain.status == 200
+    assert "x-epp-scores" not in plain.headers, plain.headers["x-epp-scores"]
+    trusted = stream(
+        fleet.stack.url, "/v1/chat/completions", body, {"x-epp-explain": EXPLAIN_TOKEN}
+    )
+    assert trusted.status == 200
+    assert trusted.headers["x-epp-scores"] != OWN_SCORES
+    scores = json.loads(trusted.headers["x-epp-scores"])
+    assert set(scores) == {r.address for r in fleet.trickle}
 
 
 def test_served_endpoint_and_tokens_match_the_replicas(fleet: Fleet) -> None:

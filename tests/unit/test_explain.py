@@ -9,6 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from epp.admin import build_app
 from epp.config import parse_config
 from epp.extproc.stream import StreamHandler
+from epp.state import EndpointState
 from tests.unit.test_stream import BODY, body_msg, headers_msg, make_router
 
 
@@ -60,3 +61,19 @@ async def test_debug_views() -> None:
         assert endpoints["127.0.0.1:8001"]["metrics"]["waiting"] == 10
         metrics = await (await client.get("/metrics")).text()
         assert "epp_endpoint_picks_total" in metrics
+
+
+async def test_debug_endpoints_is_strict_json_for_an_endpoint_never_scraped() -> None:
+    """Python's json writes ``Infinity`` for the age of an endpoint never scraped, which no
+    strict parser (jq, browsers, Go) accepts: it must be null."""
+    router = await make_router()
+    await router.fleet.store.put_endpoint(EndpointState("127.0.0.1:8003", "main", False))
+    async with TestClient(TestServer(build_app(router))) as client:
+        text = await (await client.get("/debug/endpoints")).text()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in /debug/endpoints: {text}")
+
+    endpoints = json.loads(text, parse_constant=refuse)
+    assert endpoints["127.0.0.1:8003"]["age_seconds"] is None
+    assert endpoints["127.0.0.1:8001"]["age_seconds"] > 0
