@@ -47,7 +47,7 @@ protos: $(STAMP)  ## regenerate epp/_proto from protos/
 	$(PY) tools/gen_protos.py
 
 bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes docs/overhead.md
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks.overhead --rounds 2
 
 bench-multi-epp: $(STAMP)  ## decisions/s with 1, 2, 4 epp processes; pick propagation delay
 	$(PY) -m benchmarks.multi_epp

@@ -625,6 +625,8 @@ def report(
 
     before = bool(args.before)
     command = f"python -m benchmarks.overhead --duration {args.duration} --rounds {args.rounds}"
+    command += f" --before {args.before}" if args.before else ""
+    command += f" --profile {args.profile}" if args.profile else ""
     lines = [
         "# Overhead of epp through Envoy",
         "",
