@@ -39,9 +39,9 @@ LEARNED_PROFILES = PROFILES_DIR / "learned"
 SPEEDS = "1,0.5,1,0.5,1,0.5,1,0.5"
 DEFAULT_ROUTERS = [
     "round-robin",
-    "epp-static",
-    "epp-weighted",
     "epp-default",
+    "epp-weighted",
+    "epp-learned",
     "epp-latency",
     "sglang-router",
 ]
