@@ -79,6 +79,9 @@ CHECKS = (
         "ttft_p90",
         "TTFT p90, no weights / hand-set (<= 1.05)",
     ),
+    ("shared-prefix", "epp-learned", "epp-weighted", "ttft_p90", "TTFT p90, learned / hand-set"),
+    ("mixed", "epp-learned", "epp-weighted", "ttft_p90", "TTFT p90, learned / hand-set"),
+    ("mixed", "epp-learned", "round-robin", "ttft_p99", "TTFT p99, learned / round robin"),
 )
 
 
@@ -314,7 +317,10 @@ def targets(rows: Sequence[Row]) -> list[str]:
         for rate in rates:
             a, b = by.get((workload, ours, rate)), by.get((workload, theirs, rate))
             if a is not None and b is not None and getattr(b, figure):
-                cells.append(f"{rate:g}/s {getattr(a, figure) / getattr(b, figure):.2f}")
+                ratio = getattr(a, figure) / getattr(b, figure)
+                cells.append(
+                    f"{rate:g}/s {ratio:.2f} ({getattr(a, figure):.2f} vs {getattr(b, figure):.2f})"
+                )
         if cells:
             lines.append(f"- {workload}, {label}: " + ", ".join(cells))
     return [*lines, ""]
