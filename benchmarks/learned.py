@@ -9,7 +9,8 @@ and the learned capacities, grouped by the replicas' true speed.
 
 Usage: ``python -m benchmarks.learned [--quick] [--repeat N] [--routers a,b]
 [--workloads shared-prefix,mixed] [routing benchmark options]``.
-Writes ``docs/learned-latency-bench.md`` (and ``.json``); ``--from-json FILE`` re-renders.
+Writes ``docs/learned-latency-bench.md`` (and ``.json``); ``--from-json FILE[,FILE...]``
+re-renders (several files: their runs merged as repetitions).
 """
 
 from __future__ import annotations
@@ -38,14 +39,50 @@ LEARNED_PROFILES = PROFILES_DIR / "learned"
 SPEEDS = "1,0.5,1,0.5,1,0.5,1,0.5"
 DEFAULT_ROUTERS = [
     "round-robin",
-    "epp-static",
-    "epp-weighted",
     "epp-default",
+    "epp-weighted",
+    "epp-learned",
     "epp-latency",
     "sglang-router",
 ]
 RATES = {"shared-prefix": [4.0, 8.0, 12.0], "mixed": [4.0, 8.0, 12.0]}
 QUICK_RATES = {"shared-prefix": [8.0], "mixed": [8.0]}
+# (workload, router, against, figure, what the ratio means) for the report's target list.
+CHECKS = (
+    (
+        "shared-prefix",
+        "epp-default",
+        "epp-weighted",
+        "ttft_p90",
+        "TTFT p90, no weights / hand-set (<= 1.05)",
+    ),
+    (
+        "shared-prefix",
+        "epp-default",
+        "sglang-router",
+        "ttft_p90",
+        "TTFT p90, epp / sglang-router (<= 0.9)",
+    ),
+    (
+        "shared-prefix",
+        "epp-default",
+        "sglang-router",
+        "out_tok_s",
+        "output tok/s, epp / sglang-router (> 1)",
+    ),
+    ("mixed", "epp-default", "round-robin", "ttft_p99", "TTFT p99, epp / round robin (<= 0.7)"),
+    ("mixed", "epp-default", "round-robin", "ttft_p50", "TTFT p50, epp / round robin (<= 0.5)"),
+    (
+        "mixed",
+        "epp-default",
+        "epp-weighted",
+        "ttft_p90",
+        "TTFT p90, no weights / hand-set (<= 1.05)",
+    ),
+    ("shared-prefix", "epp-learned", "epp-weighted", "ttft_p90", "TTFT p90, learned / hand-set"),
+    ("mixed", "epp-learned", "epp-weighted", "ttft_p90", "TTFT p90, learned / hand-set"),
+    ("mixed", "epp-learned", "round-robin", "ttft_p99", "TTFT p99, learned / round robin"),
+)
 
 
 @dataclass
@@ -267,7 +304,26 @@ def markdown(result: Result) -> str:
                 ]
                 lines.append(f"| {v.router} | {v.rate:g} | " + " | ".join(cells) + " |")
             lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *targets(rows)]) + "\n"
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    """The issue's comparisons, rate by rate (medians over repetitions)."""
+    by = {(r.workload, r.router, r.rate): r for r in rows}
+    lines = ["## Against the targets", ""]
+    for workload, ours, theirs, figure, label in CHECKS:
+        rates = sorted({k[2] for k in by if k[0] == workload and k[1] in (ours, theirs)})
+        cells = []
+        for rate in rates:
+            a, b = by.get((workload, ours, rate)), by.get((workload, theirs, rate))
+            if a is not None and b is not None and getattr(b, figure):
+                ratio = getattr(a, figure) / getattr(b, figure)
+                cells.append(
+                    f"{rate:g}/s {ratio:.2f} ({getattr(a, figure):.2f} vs {getattr(b, figure):.2f})"
+                )
+        if cells:
+            lines.append(f"- {workload}, {label}: " + ", ".join(cells))
+    return [*lines, ""]
 
 
 def save(result: Result, path: Path) -> None:
@@ -279,6 +335,29 @@ def load(path: Path) -> Result:
     data["rows"] = [Row(**r) for r in data["rows"]]
     data["learned"] = [Learned(**item) for item in data["learned"]]
     return Result(**data)
+
+
+def merge(results: Sequence[Result]) -> Result:
+    """Several runs as the repetitions of one (each run's repetitions numbered after the
+    previous run's); set-up and machine of the first, every run's command."""
+    first = results[0]
+    merged = dataclasses.replace(
+        first,
+        command="; ".join(r.command for r in results),
+        rows=[],
+        learned=[],
+        repeat=0,
+        routers=dict(first.routers),
+        unavailable=dict(first.unavailable),
+    )
+    for result in results:
+        for row in result.rows:
+            merged.rows.append(dataclasses.replace(row, rep=row.rep + merged.repeat))
+        for item in result.learned:
+            merged.learned.append(dataclasses.replace(item, rep=item.rep + merged.repeat))
+        merged.repeat += result.repeat
+        merged.routers.update(result.routers)
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
     if args.from_json:
-        result = load(args.from_json)
+        # Comma-separated: several runs merged as repetitions of one.
+        result = merge([load(Path(p)) for p in str(args.from_json).split(",")])
     else:
         started = time.monotonic()
         try:

@@ -156,8 +156,9 @@ class RoutingConfig:
     # token usage, and remove the extra usage chunk from what the client receives.
     inject_stream_usage: bool = False
     # Scorers read each endpoint's capacity from the latency model (docs/learned-latency.md)
-    # where the pool gives it no weight; false: 1.0 unless configured.
-    learned_capacity: bool = True
+    # where the pool gives it no weight; false: 1.0 unless configured. Off by default: on the
+    # heterogeneous benchmark it did not beat no weights at all (docs/learned-latency.md).
+    learned_capacity: bool = False
 
     def explains_to(self, token: str | None) -> bool:
         """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""

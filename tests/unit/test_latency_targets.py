@@ -125,3 +125,39 @@ async def test_untrusted_callers_get_the_profiles_target() -> None:
     _, ticket = r.route(req("x" * 4000, model="tiny", headers={SLO_TTFT_HEADER: "5"}))
     assert ticket.basis is not None
     assert ticket.basis.target == pytest.approx(2.0)
+
+
+async def capacity_router(learned: bool, slow_weight: float | None = None) -> Router:
+    slow: object = SLOW if slow_weight is None else {"address": SLOW, "weight": slow_weight}
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": [FAST, slow]}},
+            "routing": {"learned_capacity": learned},
+        }
+    )
+    store = MemoryStore()
+    for address in (FAST, SLOW):
+        await store.put_endpoint(EndpointState(address, "main", True, EndpointMetrics(), 1.0))
+    fleet = FleetState(store)
+    teach(fleet, time.time())
+    router = Router(config, fleet)
+    fleet.latency.configure(config.weights, [FAST, SLOW])
+    return router
+
+
+async def test_learned_capacities_reach_the_default_profile_and_weights_override_them() -> None:
+    """With routing.learned_capacity the default profile's load and TTFT scorers divide by the
+    learned capacity (FAST ~10x SLOW here): cold requests go to FAST. A configured weight
+    wins over what was learned."""
+    router = await capacity_router(learned=True)
+    picked = set()
+    # A few: the TTFT scorer's prefill backlog on FAST grows with each pick (no time passes).
+    for i in range(5):
+        decision, ticket = router.route(req(f"{i} " + "x" * 4000, model="tiny"))
+        picked.add(decision.endpoints[0].address)
+        router.finish(ticket)
+    assert picked == {FAST}
+    router = await capacity_router(learned=True, slow_weight=100.0)
+    decision, _ = router.route(req("y" * 4000, model="tiny"))
+    assert decision.endpoints[0].address == SLOW
