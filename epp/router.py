@@ -22,6 +22,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.admission.spillover import inflight_key
 from epp.config import Config
+from epp.discovery.settling import Settling
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
@@ -59,6 +60,8 @@ class Router:
         self.fleet = fleet
         # Autoscaling signals (docs/autoscaling.md); survives reloads, like the fleet state.
         self.demand = PoolDemand(config.autoscaling)
+        # Discovered endpoints Envoy may not have resolved yet (set before the config below).
+        self.settling = Settling()
         # Holds requests while their pool is saturated (admission mode ``queue``).
         self.flow = FlowController(QueueLimits(), self.pool_saturated)
         self.config = config
@@ -87,6 +90,7 @@ class Router:
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
+        self.settling.update(config.pools, config.discovery)
         self._overflow = {
             m: config.spillover.overflow_for(spec.pools) for m, spec in config.models.items()
         }
@@ -234,6 +238,8 @@ class Router:
             raise errors.no_endpoint(
                 request.model, f"{ready} of {len(candidates)} endpoints are ready"
             )
+        if self.settling.any():
+            self._keep_one_envoy_knows(decision, candidates)
         first = decision.endpoints[0]
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
@@ -311,6 +317,23 @@ class Router:
         self.decisions[request.request_id] = record
         while len(self.decisions) > RECENT_DECISIONS:
             self.decisions.popitem(last=False)
+
+    def _keep_one_envoy_knows(self, decision: Decision, candidates: list[EndpointState]) -> None:
+        """When every endpoint of the list joined so recently that Envoy may not have resolved
+        it (epp.discovery.settling), append the least loaded ready candidate Envoy surely
+        knows: Envoy skips unknown hosts of the list within the same attempt, so the request
+        lands there instead of failing with 503."""
+        chosen = decision.endpoints
+        settling = self.settling.settling
+        if not all(settling(e.address) for e in chosen):
+            return
+        picked = {e.address for e in chosen}
+        load = self.fleet.inflight.load
+        known = [
+            c for c in candidates if c.ready and c.address not in picked and not settling(c.address)
+        ]
+        if known:
+            chosen.append(min(known, key=lambda c: load(c.address).requests))
 
     def _arrived(self, addresses: Sequence[str]) -> None:
         """Count the request as demand on the pools of its candidate ``addresses``, whether

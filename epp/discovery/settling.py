@@ -1,0 +1,67 @@
+"""Which discovered endpoints Envoy may not know yet.
+
+A DNS pool is resolved twice: by epp (to schedule) and by Envoy's STRICT_DNS cluster (to
+connect), each every ``interval``, unsynchronised. For up to about one interval after epp sees
+a new replica, Envoy's cluster may lack it; ``override_host`` then skips that address and takes
+the next one of epp's list (docs/discovery.md). A fresh, idle replica is exactly what the
+load scorers prefer, so after a scale-up by two or more the whole list could name replicas
+Envoy has not resolved yet, and the request fail with 503 although old replicas could serve
+it (seen in the compose stack's ``--scale sim=4`` check). :class:`Settling` tells the router
+which endpoints are still within that window, so that every list keeps one Envoy surely knows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from epp.discovery.spec import DiscoverySpec, DnsSpec
+
+# Envoy's next resolution comes at most one interval after epp's; the second interval covers
+# a slow resolver and the cluster update reaching Envoy's workers.
+SETTLE_INTERVALS = 2.0
+
+
+class Settling:
+    """Endpoints of DNS pools that joined less than :data:`SETTLE_INTERVALS` intervals ago."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._until: dict[str, float] = {}  # address -> when Envoy surely has it
+        self._known: set[str] = set()  # every DNS-pool address seen so far
+        self._resolved: set[str] = set()  # DNS pools that have had members
+
+    def update(
+        self, pools: Mapping[str, tuple[str, ...]], discovery: Mapping[str, DiscoverySpec]
+    ) -> None:
+        """The pools' members now. A pool's first members count as known: epp and Envoy
+        resolve them at start alike (and nothing older exists to fall back on anyway)."""
+        now = self._clock()
+        present: set[str] = set()
+        for pool, spec in discovery.items():
+            members = pools.get(pool, ())
+            if not isinstance(spec, DnsSpec) or not members:
+                continue
+            first = pool not in self._resolved
+            self._resolved.add(pool)
+            for address in members:
+                present.add(address)
+                if not first and address not in self._known:
+                    self._until[address] = now + SETTLE_INTERVALS * spec.interval
+        self._known = present
+        for address in list(self._until):
+            if address not in present:
+                del self._until[address]
+
+    def settling(self, address: str) -> bool:
+        """Whether Envoy may not have resolved ``address`` yet."""
+        until = self._until.get(address)
+        if until is None:
+            return False
+        if until <= self._clock():
+            del self._until[address]
+            return False
+        return True
+
+    def any(self) -> bool:
+        return bool(self._until)

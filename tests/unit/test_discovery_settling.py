@@ -1,0 +1,96 @@
+"""Right after a DNS scale-up, epp's list keeps one endpoint Envoy has surely resolved."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from epp.config import parse_config
+from epp.discovery.settling import SETTLE_INTERVALS, Settling
+from epp.discovery.spec import DnsSpec, StaticSpec
+from epp.request import InferenceRequest
+from epp.router import Router
+from epp.state import EndpointState
+from epp.state.fleet import FleetState
+from epp.state.memory import MemoryStore
+from epp.state.snapshot import EndpointMetrics
+
+OLD = ("10.0.0.1:8000", "10.0.0.2:8000")
+NEW = ("10.0.0.3:8000", "10.0.0.4:8000")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_new_members_settle_for_two_intervals_and_first_members_are_known() -> None:
+    clock = Clock()
+    settling = Settling(clock)
+    dns = {"main": DnsSpec("sim", 8000, interval=1.0)}
+    settling.update({"main": ()}, dns)  # discovery has not answered yet
+    settling.update({"main": OLD}, dns)
+    assert not settling.any()
+    settling.update({"main": OLD + NEW}, dns)
+    assert all(settling.settling(a) for a in NEW)
+    assert not any(settling.settling(a) for a in OLD)
+    clock.now += SETTLE_INTERVALS * 1.0 - 0.01
+    assert settling.settling(NEW[0])
+    clock.now += 0.02
+    assert not settling.settling(NEW[0])
+    assert not settling.settling(NEW[1])
+    assert not settling.any()
+
+
+def test_static_pools_and_departed_endpoints_never_settle() -> None:
+    settling = Settling(Clock())
+    static = {"main": StaticSpec(OLD)}
+    settling.update({"main": OLD}, static)
+    settling.update({"main": OLD + NEW}, static)
+    assert not settling.any()
+    dns = {"main": DnsSpec("sim", 8000)}
+    settling.update({"main": OLD}, dns)
+    settling.update({"main": OLD + NEW}, dns)
+    settling.update({"main": OLD}, dns)  # scaled back down before Envoy saw them
+    assert not settling.any()
+
+
+async def _router() -> Router:
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"discovery": {"dns": {"name": "sim", "port": 8000}}}},
+            "routing": {"fallbacks": 1},
+        }
+    )
+    store = MemoryStore()
+    for address in OLD + NEW:
+        # The new replicas are idle, the old ones busy: every scorer prefers the new two.
+        waiting = 0 if address in NEW else 8
+        metrics = EndpointMetrics(waiting=waiting, running=4 if waiting else 0)
+        await store.put_endpoint(EndpointState(address, "main", True, metrics, 1.0))
+    router = Router(replace(config, pools={"main": OLD}), FleetState(store))
+    router.config = replace(config, pools={"main": OLD + NEW})
+    return router
+
+
+async def test_a_list_of_only_new_replicas_gets_an_old_one_appended() -> None:
+    router = await _router()
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
+    decision, ticket = router.route(request)
+    addresses = [e.address for e in decision.endpoints]
+    assert set(addresses[:2]) == set(NEW), addresses  # epp's own choice is unchanged
+    assert len(addresses) == 3, addresses
+    assert addresses[2] in OLD, addresses
+    assert ticket.endpoint == addresses[0]
+
+
+async def test_once_settled_the_list_is_epps_choice_alone() -> None:
+    router = await _router()
+    router.settling = Settling(lambda: 1e12)  # long after the scale-up
+    router.settling.update({"main": OLD + NEW}, {"main": DnsSpec("sim", 8000)})
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
+    decision, _ = router.route(request)
+    assert {e.address for e in decision.endpoints} == set(NEW)
