@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from epp import __version__
-from epp.config import ConfigError, StoreConfig, load_config, server_problems
+from epp.config import Config, ConfigError, StoreConfig, load_config, server_problems
 from epp.discovery import DiscoveryOptions
 from epp.discovery.spec import kubernetes_override
 from epp.observability import setup_logging
@@ -47,6 +47,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"epp: invalid configuration: {problem}", file=sys.stderr)
     if problems:
         return 2
+    if args.workers > 1:
+        return _serve_workers(args, config)
     setup_logging(config.server.log_level)
     sources = {}
     if args.pool_name:
@@ -60,6 +62,29 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(
         Path(args.config), config, loaded=loaded, discovery=DiscoveryOptions(sources, args.eds_dir)
     )
+
+
+def _serve_workers(args: argparse.Namespace, config: Config) -> int:
+    """``--workers N``: N ``epp serve`` processes with the same flags, on their own ports."""
+    from epp import workers
+
+    problem = workers.problem(config, args.workers)
+    if problem is not None:
+        print(f"epp: invalid configuration: {problem}", file=sys.stderr)
+        return 2
+    base = [sys.executable, "-m", "epp", "serve", "--config", str(args.config)]
+    for flag, value in (
+        ("--redis-url", args.redis_url),
+        ("--host", args.host),
+        ("--log-level", args.log_level),
+        ("--pool-name", args.pool_name),
+        ("--pool-namespace", args.pool_namespace if args.pool_name else None),
+        ("--kubeconfig", args.kubeconfig),
+        ("--eds-dir", args.eds_dir),
+    ):
+        if value is not None:
+            base += [flag, value]
+    return workers.run(config, args.workers, base)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -117,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write Envoy's EDS file here (the directory given to epp envoy-config --eds-dir)",
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="run N supervised epp processes sharing state through Redis, worker i on ports "
+        "+10i (ext_proc, health) and +i (metrics); docs/workers.md",
+    )
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser(

@@ -6,7 +6,8 @@ Shape (every section optional except ``models`` and ``pools``)::
     pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}
                     | {discovery: {dns: {...}} | {kubernetes: {...}}},
                      metrics_tls: {ca, cert, key, server_name},  (docs/discovery.md, security.md)
-                     overflow: [OVERFLOW, ...]}
+                     overflow: [OVERFLOW, ...],
+                     epp_unreachable: fail_closed|fail_open}  (active-active.md)
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
@@ -240,6 +241,9 @@ class Config:
     discovery: Mapping[str, DiscoverySpec] = field(default_factory=dict)
     # Pools whose replicas serve /metrics over https, and how to verify them.
     metrics_tls: Mapping[str, ClientTls] = field(default_factory=dict)
+    # Pools with ``epp_unreachable: fail_open``: when no epp answers, Envoy routes their
+    # requests itself (least request over the pool's replicas) instead of answering 503.
+    fail_open: frozenset[str] = frozenset()
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -297,6 +301,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         kv_events=pools.kv_events,
         discovery=pools.discovery,
         metrics_tls=pools.metrics_tls,
+        fail_open=frozenset(pools.fail_open),
         source=source,
     )
     if errors:
@@ -435,10 +440,14 @@ class _Pools(NamedTuple):
     kv_events: dict[str, str]
     discovery: dict[str, DiscoverySpec]
     metrics_tls: dict[str, ClientTls]
+    fail_open: set[str]
+
+
+EPP_UNREACHABLE = ("fail_closed", "fail_open")
 
 
 def _pools(node: _Node) -> _Pools:
-    pools = _Pools({}, {}, {}, {}, {})
+    pools = _Pools({}, {}, {}, {}, {}, set())
     seen: dict[str, str] = {}
     for name, pool in node.items():
         pools.endpoints[name] = _pool(name, pool, pools, seen)
@@ -451,7 +460,14 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
     """One pool's endpoint addresses; weights, KV-event addresses, a discovery source and how
     to scrape over https go to ``into`` (a discovered pool starts empty: epp.discovery fills it
     at run time)."""
-    pool.only("endpoints", "discovery", "metrics_tls", "overflow")
+    pool.only("endpoints", "discovery", "metrics_tls", "overflow", "epp_unreachable")
+    unreachable = pool.get("epp_unreachable", str, "fail_closed")
+    if unreachable not in EPP_UNREACHABLE:
+        pool.at("epp_unreachable").report(
+            f"must be one of {', '.join(EPP_UNREACHABLE)}, got {unreachable!r}"
+        )
+    elif unreachable == "fail_open":
+        into.fail_open.add(name)
     if pool.at("metrics_tls").value is not None:
         into.metrics_tls[name] = _client_tls(pool.at("metrics_tls"))
     if pool.at("discovery").value is not None:

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from epp.supervisor import Proc as Proc  # re-exported: tests and benchmarks use it
+from epp.supervisor import supervise
 
 Mode = Literal["buffered", "full-duplex"]
 
@@ -51,84 +52,6 @@ def envoy_binary() -> str:
     return found
 
 
-# The restart policy of `epp dev`, as compose's `restart: unless-stopped` applies it: the first
-# restart after 100 ms, the delay doubling while the process keeps dying (up to 10 s), back to
-# 100 ms once a run lasted 10 s.
-RESTART_FIRST_DELAY = 0.1
-RESTART_MAX_DELAY = 10.0
-RESTART_RESET_AFTER = 10.0
-
-
-@dataclass
-class Proc:
-    """A child process with its log file; it can be started again with the same command."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    argv: list[str]
-    env: dict[str, str] | None = None
-    started: float = field(default_factory=time.monotonic)
-    restarts: int = 0
-    # Set by stop(): a process stopped on purpose is never restarted ("unless-stopped").
-    stopped: bool = False
-    # While dead and waiting for its restart: when it is due, and the current backoff.
-    restart_due: float | None = None
-    restart_delay: float = 0.0
-
-    @classmethod
-    def start(
-        cls, name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None
-    ) -> Proc:
-        """Start ``argv`` in its own session, output to ``workdir/<name>.log``."""
-        log = workdir / f"{name}.log"
-        return cls(name, cls._popen(argv, log, env), log, argv, env)
-
-    @staticmethod
-    def _popen(argv: list[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
-        # Appended, so a restarted process's log follows the crash it recovers from.
-        with open(log, "ab") as out:
-            return subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                start_new_session=True,
-            )
-
-    def respawn(self) -> None:
-        """Start the same command again (the old process must be gone)."""
-        self.popen = self._popen(self.argv, self.log, self.env)
-        self.started = time.monotonic()
-        self.restarts += 1
-        self.restart_due = None
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self.stopped = True
-        if not self.alive():
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would end it: the supervisor restarts it (unlike stop())."""
-        if self.alive():
-            self.popen.kill()
-            self.popen.wait()
-
-
 def http_ok(url: str, timeout: float = 0.5) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -147,6 +70,8 @@ class Stack:
     mode: Mode = "buffered"
     redis_url: str | None = None
     epp_count: int = 1
+    # > 0: one `epp serve --workers N` instead of epp_count processes (epp_count becomes N).
+    workers: int = 0
     envoy_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     sim_base_port: int | None = None
@@ -166,7 +91,16 @@ class Stack:
         self.replica_addresses = [
             f"127.0.0.1:{self.sim_base_port + i}" for i in range(self.replicas)
         ]
-        self.epp_ports = [(free_port(), free_port(), free_port()) for _ in range(self.epp_count)]
+        if self.workers:
+            from epp.workers import PORT_STRIDE, worker_ports
+
+            self.epp_count = self.workers
+            base = free_port_run(PORT_STRIDE * self.workers)
+            self.epp_ports = worker_ports(base, base + 1, free_port_run(self.workers), self.workers)
+        else:
+            self.epp_ports = [
+                (free_port(), free_port(), free_port()) for _ in range(self.epp_count)
+            ]
         self.config_path = self.workdir / "epp.yaml"
         self.envoy_path = self.workdir / "envoy.yaml"
 
@@ -235,7 +169,9 @@ class Stack:
             )
 
     def start_epp(self, index: int) -> Proc:
+        """epp ``index`` (with ``workers``: the one supervisor, ``epp0``, of all workers)."""
         port, health, metrics = self.epp_ports[index]
+        workers = ["--workers", str(self.workers)] if self.workers else []
         argv = [
             sys.executable,
             "-m",
@@ -249,6 +185,7 @@ class Stack:
             str(health),
             "--metrics-port",
             str(metrics),
+            *workers,
             *self.epp_args,
         ]
         if self.redis_url:
@@ -304,7 +241,7 @@ class Stack:
     def start(self, timeout: float = 30.0, progress: bool = False) -> None:
         self.write_configs()
         self.start_sims()
-        for i in range(self.epp_count):
+        for i in range(1 if self.workers else self.epp_count):
             self.start_epp(i)
         self.start_envoy()
         steps: list[tuple[str, Callable[[], bool]]] = [
@@ -377,31 +314,12 @@ class Stack:
                 )
 
     def supervise(self, report: Callable[[str], None], now: float | None = None) -> None:
-        """One round of the restart policy (see RESTART_FIRST_DELAY): report each process found
-        dead, with its exit code and log tail, and start it again once its delay has passed.
+        """One round of the restart policy over the stack's processes (see :func:`supervise`).
 
         The other processes keep running meanwhile: with two epps, Envoy's health checks move
         every new request to the survivor until the restarted one answers again.
         """
-        now = time.monotonic() if now is None else now
-        for proc in list(self.procs.values()):
-            if proc.stopped or proc.alive():
-                continue
-            if proc.restart_due is None:
-                ran = now - proc.started
-                proc.restart_delay = (
-                    RESTART_FIRST_DELAY
-                    if ran >= RESTART_RESET_AFTER or not proc.restart_delay
-                    else min(2 * proc.restart_delay, RESTART_MAX_DELAY)
-                )
-                proc.restart_due = now + proc.restart_delay
-                report(
-                    f"{proc.name} exited with code {proc.popen.returncode} after {ran:.1f} s; "
-                    f"restarting it in {proc.restart_delay:.1f} s; log {proc.log}:\n{proc.tail(5)}"
-                )
-            elif now >= proc.restart_due:
-                proc.respawn()
-                report(f"{proc.name} restarted (pid {proc.popen.pid}, restart {proc.restarts})")
+        supervise(self.procs.values(), report, now)
 
     def supervise_until(
         self, done: Callable[[], bool], report: Callable[[str], None], every: float = 0.1

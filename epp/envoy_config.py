@@ -239,13 +239,15 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
             # before epp's first answer) is replayed on another epp instead of failing the
             # request with a 500. Retries here can land on the dead epp again (measured:
             # previous_hosts does not keep them off it), so they must outlast the health checks
-            # that remove it: 4 retries backing off 25 -> 250 ms span ~0.4 s. Measured (SIGKILL
-            # of one of two epps under 8 clients, 6 runs): 0 requests started after the kill
-            # failed, only streams epp had already answered; with 2 retries over 10-50 ms and
-            # no "reset", up to 200 did.
+            # that remove it: 10 retries backing off 25 -> 250 ms span ~1-2 s. Measured
+            # (SIGKILL of one of two epps, sequential requests right after the stack started,
+            # benchmarks/failover.py and docs/active-active.md): with 4 retries 3 of 5 runs
+            # failed 3 requests started after the kill (retry limit exceeded, every attempt on
+            # the dead epp), with 10 none of 5 did; with 2 retries over 10-50 ms and no "reset",
+            # up to 200 requests per kill failed under 8 clients.
             "retry_policy": {
                 "retry_on": "connect-failure,refused-stream,unavailable,reset",
-                "num_retries": 4,
+                "num_retries": 10,
                 "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
                 "retry_host_predicate": [
                     _typed(
@@ -258,7 +260,10 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
         },
         # Buffered: a late failure of epp (a crash while the response streams) must not cut the
         # response; the pool still refuses requests epp did not place (see module docstring).
-        # Full duplex holds the body in epp's hands, so Envoy cannot go on without it.
+        # Full duplex holds the body in epp's hands, so Envoy cannot go on without it: Envoy
+        # 1.40 fails a FULL_DUPLEX_STREAMED request whose processor dies or cannot be reached
+        # even with failure_mode_allow: true (measured: 500 for an unreachable epp, the client
+        # stream reset for one that dies mid-response; benchmarks/failover.py).
         "failure_mode_allow": mode == "buffered",
         # Per message (buffered: the body answer includes scheduling time). Full-duplex bodies
         # are not covered by it (Envoy 1.40).
@@ -534,35 +539,27 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
 
 
 def _pool_cluster(config: Config, eds_dir: str | None) -> dict[str, Any]:
-    never = _policy(
-        "envoy.load_balancing_policies.subset",
-        "envoy.extensions.load_balancing_policies.subset.v3.Subset",
-        # No selectors and NO_FALLBACK: this balancer never returns a host. It runs only when
-        # epp's metadata is missing or every listed address was tried, and then the request
-        # must fail (503 UH) rather than go to a replica epp did not choose.
-        fallback_policy="NO_FALLBACK",
-        subset_lb_policy=_policy(
-            "envoy.load_balancing_policies.round_robin",
-            "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
-        ),
-    )
     override = _policy(
         "envoy.load_balancing_policies.override_host",
         "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
         # Metadata only: a header source would let a client pick the replica (header sources
         # are also concatenated with metadata sources, not overridden by them).
         override_host_sources=[{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}}],
-        fallback_policy=never,
+        fallback_policy=_unanswered_policy(config, eds_dir),
     )
+    marked = _marked_pools(config)
     endpoints = [
-        {"endpoint": {"address": _socket(addr)}}
-        for addrs in config.pools.values()
+        _pool_endpoint(_socket(addr), pool in marked)
+        for pool, addrs in config.pools.items()
         for addr in addrs
     ]
     dns = [spec for spec in config.discovery.values() if isinstance(spec, DnsSpec)]
     endpoints += [
-        {"endpoint": {"address": {"socket_address": {"address": d.name, "port_value": d.port}}}}
-        for d in dns
+        _pool_endpoint(
+            {"socket_address": {"address": d.name, "port_value": d.port}}, pool in marked
+        )
+        for pool, d in config.discovery.items()
+        if isinstance(d, DnsSpec)
     ]
     kube = [p for p, spec in config.discovery.items() if isinstance(spec, KubernetesSpec)]
     if kube and eds_dir is None:
@@ -588,6 +585,68 @@ def _pool_cluster(config: Config, eds_dir: str | None) -> dict[str, Any]:
     if dns:
         cluster.update(_dns_options(dns))
     return cluster
+
+
+# Endpoint metadata (envoy.lb) marking the replicas of pools that fail open, when other pools
+# fail closed: the default subset of the balancer that runs without epp's answer.
+FAIL_OPEN_KEY = "epp_fail_open"
+
+
+def _unanswered_policy(config: Config, eds_dir: str | None) -> dict[str, Any]:
+    """The pool's balancer for a request without epp's answer: no epp could be reached (the
+    ext_proc filter lets the request through, ``failure_mode_allow``), or every address of
+    epp's list was tried.
+
+    Fail closed (the default, ``epp_unreachable: fail_closed``): a subset balancer with no
+    subsets and ``NO_FALLBACK`` never returns a host, so Envoy answers 503 (UH) rather than
+    send a request to a replica epp did not choose. Fail open: least request over the replicas
+    of the pools that chose ``fail_open`` (all of them, or the default subset of those marked
+    with :data:`FAIL_OPEN_KEY` when other pools fail closed). Envoy cannot read the model from
+    the body, so with pools serving different models a request may land on a replica of
+    another fail-open pool, which answers 404 for a model it does not serve.
+    """
+    least = _policy(
+        "envoy.load_balancing_policies.least_request",
+        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+    )
+    if not config.fail_open:
+        return _policy(
+            "envoy.load_balancing_policies.subset",
+            "envoy.extensions.load_balancing_policies.subset.v3.Subset",
+            fallback_policy="NO_FALLBACK",
+            subset_lb_policy=_policy(
+                "envoy.load_balancing_policies.round_robin",
+                "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+            ),
+        )
+    if not _marked_pools(config):
+        return least
+    if eds_dir is not None:
+        raise ValueError(
+            "pools that fail open next to pools that fail closed need endpoint metadata, which "
+            "the EDS file does not carry: give every pool the same epp_unreachable"
+        )
+    return _policy(
+        "envoy.load_balancing_policies.subset",
+        "envoy.extensions.load_balancing_policies.subset.v3.Subset",
+        fallback_policy="DEFAULT_SUBSET",
+        default_subset={FAIL_OPEN_KEY: True},
+        subset_lb_policy=least,
+    )
+
+
+def _marked_pools(config: Config) -> frozenset[str]:
+    """Pools whose endpoints carry :data:`FAIL_OPEN_KEY`: the fail-open ones, when some other
+    pool fails closed (else no marking is needed)."""
+    every = set(config.pools) | set(config.discovery)
+    return config.fail_open if every - config.fail_open else frozenset()
+
+
+def _pool_endpoint(address: dict[str, Any], fail_open: bool) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"endpoint": {"address": address}}
+    if fail_open:
+        endpoint["metadata"] = {"filter_metadata": {LB_NAMESPACE: {FAIL_OPEN_KEY: True}}}
+    return endpoint
 
 
 def _eds_config(eds_dir: str) -> dict[str, Any]:
@@ -745,6 +804,12 @@ def bootstrap(
         raise ValueError("at least one extproc address is needed")
     if message_timeout_ms < 0:
         raise ValueError("message_timeout_ms must be >= 0")
+    if config.fail_open and mode == "full-duplex":
+        raise ValueError(
+            f"pool {sorted(config.fail_open)[0]!r} fails open (epp_unreachable: fail_open), "
+            "which needs --mode buffered: in full-duplex mode Envoy fails every request whose "
+            "epp cannot be reached"
+        )
     for addr in (listen, admin, *extproc):
         parse_address(addr)
     for addrs in config.pools.values():
@@ -838,6 +903,13 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         help="gRPC health address (HOST:PORT or PORT) of each --extproc, in the same order "
         "(default: server.health_port for one epp, ext_proc port + 1 for several)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="epp serve --workers N behind the --extproc address: list its N workers "
+        "(ports +10i) as endpoints of the epp cluster",
+    )
     p.add_argument("--message-timeout-ms", type=int, default=2000, help="ext_proc message timeout")
     p.add_argument(
         "--eds-dir",
@@ -870,6 +942,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         extproc = args.extproc or [f"127.0.0.1:{config.server.extproc_port}"]
+        health = args.health
+        if args.workers != 1:
+            extproc, health = _worker_addresses(config, extproc, health, args.workers)
         tls = _tls_args(args)
         text = render(
             config,
@@ -877,7 +952,7 @@ def run(args: argparse.Namespace) -> int:
             listen=args.listen,
             admin=args.admin,
             extproc=extproc,
-            health=args.health,
+            health=health,
             message_timeout_ms=args.message_timeout_ms,
             eds_dir=args.eds_dir,
             tls=tls,
@@ -894,6 +969,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _worker_addresses(
+    config: Config, extproc: Sequence[str], health: Sequence[str] | None, workers: int
+) -> tuple[list[str], list[str]]:
+    """The ext_proc and health addresses of ``epp serve --workers`` (epp/workers.py)."""
+    from epp.workers import worker_ports
+
+    if len(extproc) != 1 or (health is not None and len(health) != 1):
+        raise ValueError("--workers expands one --extproc (and at most one --health)")
+    host, port = parse_address(extproc[0])
+    hc_host, hc_port = host, config.server.health_port
+    if health:
+        hc_host, hc_port = (
+            (host, int(health[0])) if health[0].isdigit() else parse_address(health[0])
+        )
+    ports = worker_ports(port, hc_port, config.server.metrics_port, workers)
+    return (
+        [f"{_bracket(host)}:{p}" for p, _, _ in ports],
+        [f"{_bracket(hc_host)}:{h}" for _, h, _ in ports],
+    )
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _tls_args(args: argparse.Namespace) -> EppTls | None:

@@ -406,7 +406,7 @@ def set_fault(address: str, **faults: object) -> None:
 
 def inflight_view(stack: Stack, index: int) -> dict[str, float]:
     """Endpoint -> local + remote in-flight requests, as epp ``index`` saw at its last sync."""
-    view: Counter[str] = Counter()
+    view: dict[str, float] = defaultdict(float)
     for labels, value in epp_metric(stack, index, "epp_endpoint_inflight_requests").items():
         view[re.search(r'endpoint="([^"]+)"', labels).group(1)] += value  # type: ignore[union-attr]
     return dict(view)
