@@ -131,6 +131,8 @@ def test_readme_envoy_config_renders_the_readme_configuration(tmp_path: Path) ->
             if a == modes[1]
             else (tmp_path / "eds").as_posix()
             if a == "DIR"
+            else "2"
+            if a == "N"
             else a
             for a in args
         ]
