@@ -41,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.overhead import Bench, backend_config, wrk
+from benchmarks.overhead import Bench, backend_config, cpu_seconds, wrk
 from epp.config import parse_config
 from epp.devstack import Proc, free_port, http_ok
 from epp.envoy_config import render
@@ -147,22 +147,7 @@ def _measure(
     ]
     for _, _, metrics in ports:
         bench.wait("epp", lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
-    listen, admin = free_port(), free_port()
-    front = bench.envoy(
-        "front",
-        render(
-            parse_config(config),
-            listen=f"127.0.0.1:{listen}",
-            admin=f"127.0.0.1:{admin}",
-            extproc=[f"127.0.0.1:{g}" for g, _, _ in ports],
-            health=[f"127.0.0.1:{h}" for _, h, _ in ports],
-        ),
-        admin,
-    )
-    url = f"http://127.0.0.1:{listen}"
-    # Until every epp has routed a request: right after its health checks pass, Envoy may keep
-    # sending every stream to one process for about a second.
-    bench.wait("every epp routing", lambda: _warm(url, ports), timeout=30)
+    front, url = front_envoy(bench, config, ports)
     wrk(url, body, 1, 1, workdir)
     # Best of ``repeat`` runs: other work on a shared machine only ever makes a run worse.
     p50_1, p99_1, _, errs_1 = min(
@@ -210,18 +195,39 @@ def _loaded_run(
     """One c=32 run with CPU use and per-epp decisions (only the c=32 fields are filled)."""
     before = _picks(ports)
     procs = (*epps, front)
-    cpu_before, started = [_cpu(p.popen.pid) for p in procs], time.monotonic()
+    cpu_before, started = [cpu_seconds(p.popen.pid) for p in procs], time.monotonic()
     p50, p99, rps, errors = wrk(url, body, 32, args.duration, workdir)
     elapsed = time.monotonic() - started
-    cpu = [(_cpu(p.popen.pid) - c) / elapsed * 100 for p, c in zip(procs, cpu_before, strict=True)]
+    cpu = [
+        (cpu_seconds(p.popen.pid) - c) / elapsed * 100
+        for p, c in zip(procs, cpu_before, strict=True)
+    ]
     shares = [b - a for a, b in zip(before, _picks(ports), strict=True)]
     return Row("", 0, 0.0, 0.0, rps, p50, p99, shares, errors, sum(cpu[:-1]), cpu[-1])
 
 
-def _cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def front_envoy(
+    bench: Bench, config: dict[str, object], ports: list[tuple[int, int, int]]
+) -> tuple[Proc, str]:
+    """A front Envoy listing every epp process (``(grpc, health, metrics)`` ports) in its
+    ext_proc cluster, started and warmed: returns it and its URL once every epp has routed a
+    request (right after its health checks pass, Envoy may keep sending every stream to one
+    process for about a second)."""
+    listen, admin = free_port(), free_port()
+    front = bench.envoy(
+        "front",
+        render(
+            parse_config(config),
+            listen=f"127.0.0.1:{listen}",
+            admin=f"127.0.0.1:{admin}",
+            extproc=[f"127.0.0.1:{g}" for g, _, _ in ports],
+            health=[f"127.0.0.1:{h}" for _, h, _ in ports],
+        ),
+        admin,
+    )
+    url = f"http://127.0.0.1:{listen}"
+    bench.wait("every epp routing", lambda: _warm(url, ports), timeout=30)
+    return front, url
 
 
 def _picks(ports: Iterable[tuple[int, int, int]]) -> list[int]:

@@ -318,13 +318,16 @@ def run(
                 )
                 bench.envoy(f"front-{setup}-{mode}", rendered, admin)
                 # Wait until a real request routes (epp needs its first scrape).
-                bench.wait("first routed request", lambda p=listen: _post_ok(p, bodies["1KB"]))
+                bench.wait(
+                    "first routed request",
+                    lambda p=listen: _post_ok(p, "/v1/completions", bodies["1KB"].read_bytes()),
+                )
                 fronts[setup] = listen
             # Background work (scrapes, health checks) costs CPU with no request at all.
-            before_idle = {setup: _cpu_seconds(proc) for setup, proc in servers.items()}
+            before_idle = {setup: cpu_seconds(proc.popen.pid) for setup, proc in servers.items()}
             time.sleep(IDLE_SECONDS)
             for setup, proc in servers.items():
-                spent = _cpu_seconds(proc) - before_idle[setup]
+                spent = cpu_seconds(proc.popen.pid) - before_idle[setup]
                 idle[f"{setup} ({mode})"] = spent / IDLE_SECONDS
             for size in sizes:
                 for conc in (1, 32):
@@ -339,12 +342,12 @@ def run(
                                 out = Path(args.profile) / f"{mode}-{size}.txt"
                                 spy = profiler(pid, out, args.duration)
                             server = servers.get(setup)
-                            cpu = _cpu_seconds(server) if server else 0.0
+                            cpu = cpu_seconds(server.popen.pid) if server else 0.0
                             p50, p99, rps, errs = wrk(
                                 url, bodies[size], conc, args.duration, workdir
                             )
                             if server is not None:
-                                cpu = (_cpu_seconds(server) - cpu) / (rps * args.duration)
+                                cpu = (cpu_seconds(server.popen.pid) - cpu) / (rps * args.duration)
                             rows.setdefault(setup, []).append((p50, p99, rps, errs, cpu * 1e6))
                             if spy is not None:
                                 spy.wait()
@@ -451,12 +454,15 @@ def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[Str
             if variant == "off":
                 rendered = response_off(rendered)
             bench.envoy(f"front-stream-{variant}-{mode}", rendered, admin)
-            bench.wait("a routed stream", lambda p=listen: _stream_ok(p))
+            bench.wait(
+                "a routed stream",
+                lambda p=listen: _post_ok(p, "/v1/chat/completions", STREAM_PROBE, 5.0),
+            )
             fronts[variant] = (listen, server)
         runs: dict[str, list[dict[str, float]]] = {}
         for _ in range(args.rounds):
             for variant, (port, server) in fronts.items():
-                cpu = _cpu_seconds(server)
+                cpu = cpu_seconds(server.popen.pid)
                 out = subprocess.run(
                     [
                         sys.executable,
@@ -474,7 +480,7 @@ def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[Str
                     check=True,
                 ).stdout
                 row = json.loads(out)
-                spent = _cpu_seconds(server) - cpu
+                spent = cpu_seconds(server.popen.pid) - cpu
                 row["cpu"] = spent / max(1.0, row["tokens_per_s"] * args.duration) * 1e6
                 runs.setdefault(variant, []).append(row)
         for variant, rows in runs.items():
@@ -499,23 +505,6 @@ def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[Str
     return results
 
 
-def _stream_ok(port: int) -> bool:
-    import urllib.request
-
-    body = json.dumps({"model": "stream", "messages": [{"role": "user", "content": "go"}]})
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=body.encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            status: int = resp.status
-            return status == 200
-    except OSError:
-        return False
-
-
 def profiler(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes]:
     """py-spy (a dev dependency) sampling ``pid`` for ``seconds``: collapsed stacks to ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -528,10 +517,16 @@ def profiler(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes]:
 Run = tuple[float, float, float, int, float]
 
 
-def _cpu_seconds(proc: Proc) -> float:
-    """User + system CPU time the process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rpartition(")")[2].split()
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time process ``pid`` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# A streamed chat request the streaming set-up's replica answers (readiness probe).
+STREAM_PROBE = json.dumps(
+    {"model": "stream", "messages": [{"role": "user", "content": "go"}]}
+).encode()
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -545,16 +540,15 @@ def _median_run(runs: list[Run]) -> Run:
     )
 
 
-def _post_ok(port: int, body: Path) -> bool:
+def _post_ok(port: int, path: str, data: bytes, timeout: float = 1.0) -> bool:
+    """Whether a POST of ``data`` to ``path`` through the front Envoy on ``port`` answers 200."""
     import urllib.request
 
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=body.read_bytes(),
-        headers={"content-type": "application/json"},
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"content-type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=1) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             status: int = resp.status
             return status == 200
     except OSError:

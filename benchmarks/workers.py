@@ -32,11 +32,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.multi_epp import PROFILE, _cpu, _picks, _warm
-from benchmarks.overhead import Bench, backend_config, wrk
-from epp.config import parse_config
+from benchmarks.multi_epp import PROFILE, _picks, front_envoy
+from benchmarks.overhead import Bench, backend_config, cpu_seconds, wrk
 from epp.devstack import Proc, free_port, free_port_run, http_ok
-from epp.envoy_config import render
 from epp.workers import PORT_STRIDE, worker_ports
 from tests.e2e.test_active_active import ha_stack, prefix_groups, stickiness
 from tests.e2e.test_workers import workers_stack
@@ -98,20 +96,7 @@ def throughput(args: argparse.Namespace, redis_url: str, count: int, workdir: Pa
         )
         for _, _, m in ports:
             bench.wait("worker", lambda m=m: http_ok(f"http://127.0.0.1:{m}/metrics"), 60)
-        listen, admin = free_port(), free_port()
-        front = bench.envoy(
-            "front",
-            render(
-                parse_config(config),
-                listen=f"127.0.0.1:{listen}",
-                admin=f"127.0.0.1:{admin}",
-                extproc=[f"127.0.0.1:{g}" for g, _, _ in ports],
-                health=[f"127.0.0.1:{h}" for _, h, _ in ports],
-            ),
-            admin,
-        )
-        url = f"http://127.0.0.1:{listen}"
-        bench.wait("every worker routing", lambda: _warm(url, ports), timeout=30)
+        front, url = front_envoy(bench, config, ports)
         wrk(url, body, 32, 1, workdir)
         runs = [_loaded(args, url, body, workdir, ports, parent, front) for _ in range(args.repeat)]
         best = max(runs, key=lambda r: r.rps)
@@ -135,10 +120,10 @@ def _loaded(
     # With one worker `epp serve` routes in the parent itself (no supervisor, no children).
     pids = [*(children(parent.popen.pid) or [parent.popen.pid]), front.popen.pid]
     before_picks = _picks(ports)
-    cpu_before, started = [_cpu(p) for p in pids], time.monotonic()
+    cpu_before, started = [cpu_seconds(p) for p in pids], time.monotonic()
     p50, p99, rps, errors = wrk(url, body, 32, args.duration, workdir)
     elapsed = time.monotonic() - started
-    cpu = [(_cpu(p) - c) / elapsed * 100 for p, c in zip(pids, cpu_before, strict=True)]
+    cpu = [(cpu_seconds(p) - c) / elapsed * 100 for p, c in zip(pids, cpu_before, strict=True)]
     shares = [b - a for a, b in zip(before_picks, _picks(ports), strict=True)]
     return Row(0, rps, p50, p99, shares, sum(cpu[:-1]), cpu[-1], errors)
 
