@@ -23,6 +23,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Protocol
 
 from benchmarks.loadgen import Request
 from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
@@ -116,6 +117,40 @@ class SharedPrefix:
             yield items[rng.randrange(self.groups), rng.randrange(self.users)]
 
 
+class _ChatShape(Protocol):
+    turns: int
+    first_user_tokens: int
+    user_tokens: int
+    output_tokens: int
+
+
+def _chat(
+    rng: random.Random, conv: str, system: dict[str, str], shape: _ChatShape, waits: bool
+) -> Iterator[Item]:
+    """One conversation's turns after ``system``: a first message of ``first_user_tokens``,
+    then a canned reply and a new message per turn; with ``waits`` a turn is sent only once
+    the previous one was answered (the load generator's ``follows``)."""
+    messages = [system, {"role": "user", "content": text(rng, shape.first_user_tokens)}]
+    for turn in range(shape.turns):
+        if turn:
+            # The reply is canned, not the engine's output, so the stream is identical for
+            # every router; the cache hit is on everything before it.
+            messages += [
+                {"role": "assistant", "content": text(rng, shape.output_tokens)},
+                {"role": "user", "content": text(rng, shape.user_tokens)},
+            ]
+        yield Item(
+            Request(
+                "/v1/chat/completions",
+                _body(model=MODEL, messages=messages, max_tokens=shape.output_tokens),
+                {SESSION_HEADER: conv},
+            ),
+            key=conv,
+            prompt_ids=tuple(tokenizer().encode_chat(messages)),
+            follows=conv if waits else None,
+        )
+
+
 @dataclass
 class MultiTurn:
     conversations: int = 24  # active at once; a finished one is replaced by a new one
@@ -153,24 +188,7 @@ class MultiTurn:
             nonlocal started
             conv = f"conv-{started}"
             started += 1
-            messages = [system, {"role": "user", "content": text(rng, self.first_user_tokens)}]
-            for turn in range(self.turns):
-                if turn:
-                    # The reply is canned, not the engine's output, so the stream is identical
-                    # for every router; the cache hit is on everything before it.
-                    messages += [
-                        {"role": "assistant", "content": text(rng, self.output_tokens)},
-                        {"role": "user", "content": text(rng, self.user_tokens)},
-                    ]
-                yield Item(
-                    Request(
-                        "/v1/chat/completions",
-                        _body(model=MODEL, messages=messages, max_tokens=self.output_tokens),
-                        {SESSION_HEADER: conv},
-                    ),
-                    key=conv,
-                    prompt_ids=tuple(tokenizer().encode_chat(messages)),
-                )
+            yield from _chat(rng, conv, system, self, waits=False)
 
         active = [conversation() for _ in range(self.conversations)]
         while True:
@@ -289,26 +307,8 @@ class Mixed:
             nonlocal started
             conv = f"conv-{started}"
             started += 1
-            messages = [
-                {"role": "system", "content": text(rng, self.chat_system_tokens)},
-                {"role": "user", "content": text(rng, self.first_user_tokens)},
-            ]
-            for turn in range(self.turns):
-                if turn:
-                    messages += [
-                        {"role": "assistant", "content": text(rng, self.output_tokens)},
-                        {"role": "user", "content": text(rng, self.user_tokens)},
-                    ]
-                yield Item(
-                    Request(
-                        "/v1/chat/completions",
-                        _body(model=MODEL, messages=messages, max_tokens=self.output_tokens),
-                        {SESSION_HEADER: conv},
-                    ),
-                    key=conv,
-                    prompt_ids=tuple(tokenizer().encode_chat(messages)),
-                    follows=conv,
-                )
+            system = {"role": "system", "content": text(rng, self.chat_system_tokens)}
+            yield from _chat(rng, conv, system, self, waits=True)
 
         active = [conversation() for _ in range(self.conversations)]
         while True:
