@@ -281,11 +281,64 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
         # body unchanged and re-sends Content-Length, so let it through (vLLM then gets a
         # plain body instead of chunked encoding).
         config["allow_content_length_header"] = True
-    return _typed(
+    processor = _typed(
         "envoy.filters.http.ext_proc",
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         **config,
     )
+    # Envoy's own replies (its HTTP codec refusing malformed requests, the buffer limit's 413)
+    # skip ext_proc on the way out. Processing them gained nothing, and while ext_proc held
+    # their headers for epp the codec closed the connection, so the client got no response at
+    # all (docs/hostile-input.md). Upstream responses always carry the served-endpoint header
+    # the route adds; local replies never do, so epp still sees every upstream response.
+    return _typed(
+        "envoy.filters.http.ext_proc",
+        "envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+        extension_config=processor,
+        xds_matcher={
+            "matcher_list": {
+                "matchers": [
+                    {
+                        "predicate": {"not_matcher": _has_header(SERVED)},
+                        "on_match": {
+                            "action": _typed(
+                                "skip-local-replies",
+                                "envoy.extensions.filters.common.matcher.action.v3.SkipFilter",
+                            )
+                        },
+                    }
+                ]
+            }
+        },
+    )
+
+
+def _has_header(name: str) -> dict[str, Any]:
+    """A matcher predicate: the response carries header ``name`` (any value)."""
+    return {
+        "single_predicate": {
+            "input": _typed(
+                "response-header",
+                "envoy.type.matcher.v3.HttpResponseHeaderMatchInput",
+                header_name=name,
+            ),
+            "value_match": {"safe_regex": {"regex": ".*", "google_re2": {}}},
+        }
+    }
+
+
+def ext_proc_settings(boot: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ext_proc filters' own settings (``ExternalProcessor``, inside their matcher wrapper)
+    in a rendered bootstrap, one per listener that has one, for tools and tests that read or
+    adjust them in place."""
+    return [
+        http["typed_config"]["extension_config"]["typed_config"]
+        for listener in boot["static_resources"]["listeners"]
+        for chain in listener["filter_chains"]
+        for network in chain["filters"]
+        for http in network["typed_config"].get("http_filters", [])
+        if http["name"] == "envoy.filters.http.ext_proc"
+    ]
 
 
 def _header_mutation_filter(config: Config) -> dict[str, Any]:
