@@ -26,7 +26,8 @@ The pieces, in request order:
   ``x-gateway-destination-endpoint-served: %UPSTREAM_HOST%`` to the response for epp, which
   the header_mutation filter strips before the client sees it.
 * **ext_proc on the response**: headers and the streamed body go to epp on the same stream
-  (status, served endpoint, token timings, usage; docs/response-path.md).
+  (status, served endpoint, token timings, usage; docs/response-path.md). Envoy's own replies
+  skip it (a matcher on the served-endpoint header), so they are written at once.
 * **cluster ``pool``** is a STATIC cluster holding every endpoint of every pool, balanced by the
   ``override_host`` policy that reads ONLY the metadata (never the header: metadata cannot be
   set by a client). Each attempt (first try, then each retry) consumes the next address of the
@@ -487,8 +488,8 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
         # 400 for control characters, conflicting framing, a bad request line): no request
         # headers were decoded, which is what tells these apart from epp's own 4xx (checked
         # with Envoy 1.40; the DPE response flag is set only after the reply, too late for a
-        # mapper). docs/hostile-input.md: while ext_proc processes responses, such a reply is
-        # lost before it is written.
+        # mapper). Such replies skip ext_proc (see _ext_proc_filter), or they would be lost
+        # before they are written (docs/hostile-input.md).
         _json_reply(
             {
                 "and_filter": {
