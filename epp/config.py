@@ -54,7 +54,7 @@ from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.admission.spillover import OverflowPool, Spillover
 from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.metrics.demand import DemandPolicy
-from epp.request import ApiKey, RequestPolicy
+from epp.request import ApiKey, RequestPolicy, api_for_path
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
 from epp.scheduling.params import parse_params
 from epp.state.health import HealthConfig
@@ -160,6 +160,18 @@ class RoutingConfig:
     # where the pool gives it no weight; false: 1.0 unless configured. Off by default: on the
     # heterogeneous benchmark it did not beat no weights at all (docs/learned-latency.md).
     learned_capacity: bool = False
+    # Paths that are no inference API but should reach the pool anyway (vLLM's /tokenize,
+    # /detokenize, /v1/rerank...): path prefix -> pool. Routed at the headers to the pool's
+    # least loaded ready replica, body unread; every other unknown path is a 404 from epp.
+    passthrough: Mapping[str, str] = field(default_factory=dict)
+
+    def passthrough_pool(self, path: str) -> str | None:
+        """The pool a request for ``path`` passes through to, or None (longest prefix wins)."""
+        if not self.passthrough:
+            return None
+        path = path.split("?", 1)[0]
+        matches = [p for p in self.passthrough if path == p or path.startswith(p.rstrip("/") + "/")]
+        return self.passthrough[max(matches, key=len)] if matches else None
 
     def explains_to(self, token: str | None) -> bool:
         """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
@@ -288,7 +300,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         scheduling=_scheduling(root.child("scheduling")),
         server=_server(root.child("server")),
         scrape=scrape,
-        routing=_routing(root.child("routing")),
+        routing=_routing(root.child("routing"), pools.endpoints),
         request=_request(root.child("request")),
         autoscaling=_autoscaling(root.child("autoscaling")),
         admission=_admission(admission, scrape.interval),
@@ -608,7 +620,7 @@ def _scrape(node: _Node) -> ScrapeConfig:
     )
 
 
-def _routing(node: _Node) -> RoutingConfig:
+def _routing(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> RoutingConfig:
     node.only(
         "fallbacks",
         "max_body_bytes",
@@ -616,8 +628,19 @@ def _routing(node: _Node) -> RoutingConfig:
         "explain_token",
         "inject_stream_usage",
         "learned_capacity",
+        "passthrough",
     )
     d = RoutingConfig()
+    passthrough: dict[str, str] = {}
+    for prefix, pool in node.child("passthrough").items():
+        if not prefix.startswith("/"):
+            pool.report("must be keyed by a path prefix starting with '/'")
+        elif api_for_path(prefix) is not None:
+            pool.report("is an inference API path: epp routes it by its body, not through")
+        elif not isinstance(pool.value, str) or pool.value not in pools:
+            pool.report(f"must name a pool (one of {', '.join(sorted(pools)) or 'none'})")
+        else:
+            passthrough[prefix] = pool.value
     return RoutingConfig(
         fallbacks=node.integer("fallbacks", d.fallbacks, ge=0),
         max_body_bytes=node.integer("max_body_bytes", d.max_body_bytes, ge=1),
@@ -625,6 +648,7 @@ def _routing(node: _Node) -> RoutingConfig:
         explain_token=node.get("explain_token", str, d.explain_token),
         inject_stream_usage=node.get("inject_stream_usage", bool, d.inject_stream_usage),
         learned_capacity=node.get("learned_capacity", bool, d.learned_capacity),
+        passthrough=passthrough,
     )
 
 

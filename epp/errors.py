@@ -69,6 +69,16 @@ def no_endpoint(model: str, why: str) -> RequestError:
     )
 
 
+def no_pool_endpoint(pool: str, path: str) -> RequestError:
+    return RequestError(
+        503,
+        f"No replica of pool '{pool}' is ready to serve {path} (a pass-through path). "
+        "Retry shortly.",
+        type="service_unavailable_error",
+        code="no_ready_endpoint",
+    )
+
+
 def overloaded(model: str) -> RequestError:
     return RequestError(
         429,
@@ -93,7 +103,8 @@ def unknown_path(method: str, path: str) -> RequestError:
     return RequestError(
         404,
         f"Invalid URL ({method} {path.split('?', 1)[0] or '/'}): epp routes POST /v1/completions, "
-        "/v1/chat/completions, /v1/responses and /v1/embeddings, and answers GET /v1/models.",
+        "/v1/chat/completions, /v1/responses and /v1/embeddings, and answers GET /v1/models; "
+        "other paths reach the replicas only when routing.passthrough names them.",
         code="unknown_url",
     )
 

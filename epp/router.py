@@ -68,6 +68,8 @@ class Router:
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
         self.tracing: Tracing | None = None
+        # Where ties between idle replicas start for pass-through paths (pass_through).
+        self._rotation = 0
         # The last capacities handed to scorers: (learned, configured, merged).
         self._weights: tuple[Mapping[str, float], Mapping[str, float], Mapping[str, float]] = (
             {},
@@ -254,6 +256,32 @@ class Router:
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
+
+    def pass_through(self, pool: str, path: str) -> Ticket:
+        """Count a request for a path that passes through to ``pool`` (``routing.passthrough``)
+        in flight on the pool's least loaded ready replica that passive health admits, or raise
+        a 503 :class:`~epp.errors.RequestError` when there is none. Ties rotate, so idle
+        replicas share such requests instead of the first taking them all."""
+        now = time.time()
+        endpoints = self.fleet.store.snapshot().endpoints
+        health = self.fleet.health
+        ready = [
+            a
+            for a in self._config.pools.get(pool, ())
+            if (state := endpoints.get(a)) is not None and state.ready and health.admits(a, now)
+        ]
+        if not ready:
+            raise errors.no_pool_endpoint(pool, path)
+        load = self.fleet.inflight.load
+        self._rotation = (self._rotation + 1) % len(ready)
+        turn = self._rotation
+        best = min(
+            range(len(ready)), key=lambda i: (load(ready[i]).requests, (i - turn) % len(ready))
+        )
+        address = ready[best]
+        child(PICKS, pool, address).inc()
+        child(REQUESTS, "", "passthrough").inc()
+        return self.fleet.inflight.add(address, 0)
 
     def _target(self, request: InferenceRequest, config: Config) -> float | None:
         """The request's TTFT target in seconds: a trusted caller's header, else the
