@@ -54,7 +54,7 @@ from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.admission.spillover import OverflowPool, Spillover
 from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.metrics.demand import DemandPolicy
-from epp.request import ApiKey, RequestPolicy, api_for_path
+from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
 from epp.scheduling.params import parse_params
 from epp.state.health import HealthConfig
@@ -665,11 +665,15 @@ def _request(node: _Node) -> RequestPolicy:
     d = RequestPolicy()
     objectives: dict[str, int] = {}
     spill: set[str] = set()
+    targets: dict[str, LatencyTarget] = {}
     for name, value in node.child("objectives").items():
         if isinstance(value.value, dict):
-            value.only("priority", "spill")
+            value.only("priority", "spill", "ttft_ms", "tpot_ms")
             if value.get("spill", bool, False):
                 spill.add(name)
+            target = _latency_target(value)
+            if target:
+                targets[name] = target
             value = value.child("priority", required=True)
             if value.value is None:
                 continue  # reported as missing
@@ -696,9 +700,19 @@ def _request(node: _Node) -> RequestPolicy:
         fairness_header=node.get("fairness_header", str, d.fairness_header).lower(),
         objectives=objectives,
         spill_objectives=frozenset(spill),
+        objective_targets=targets,
         trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
         api_keys=api_keys,
     )
+
+
+def _latency_target(node: _Node) -> LatencyTarget:
+    """An objective's ``ttft_ms`` / ``tpot_ms`` (milliseconds > 0; absent: no target)."""
+    ttft, tpot = (
+        None if node.at(key).value is None else node.real(key, 1.0) / 1000
+        for key in ("ttft_ms", "tpot_ms")
+    )
+    return LatencyTarget(ttft, tpot)
 
 
 def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:

@@ -89,11 +89,16 @@ def overloaded(model: str) -> RequestError:
     )
 
 
-def target_unreachable(model: str, target: float) -> RequestError:
+def target_unreachable(model: str, ttft: float | None, tpot: float | None) -> RequestError:
+    targets = " and ".join(
+        f"{what} within {seconds * 1000:.0f} ms"
+        for what, seconds in (("the first token", ttft), ("each further token", tpot))
+        if seconds is not None
+    )
     return RequestError(
         429,
-        f"No endpoint serving '{model}' is predicted to deliver the first token within the "
-        f"request's {target * 1000:.0f} ms target. Retry later or relax the target.",
+        f"No endpoint serving '{model}' is predicted to deliver {targets}, the request's "
+        "latency target. Retry later or relax the target.",
         type="rate_limit_error",
         code="latency_target_unreachable",
     )
