@@ -19,29 +19,22 @@ from dataclasses import dataclass
 import pytest
 
 from epp.devstack import Stack
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import BODY_MODES, serve_stack
 
 LIMIT = 1024 * 1024  # routing.max_body_bytes of these stacks
 
 
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param("buffered", id="buffered"), pytest.param("full-duplex", id="fullduplex")],
-)
+@pytest.fixture(scope="module", params=BODY_MODES)
 def hostile(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    mode = request.param
-    s = make_stack(
-        tmp_path_factory.mktemp(f"hostile-{mode}"),
-        mode,
-        "memory",
+    yield from serve_stack(
+        tmp_path_factory,
+        "hostile",
+        request.param,
         replicas=1,
         config_extra={"routing": {"max_body_bytes": LIMIT}},
     )
-    s.start()
-    yield s
-    s.stop()
 
 
 @dataclass

@@ -10,27 +10,20 @@ import pytest
 
 from epp.devstack import Stack
 from tests.e2e.client import request
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import BODY_MODES, serve_stack
 
 
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param("buffered", id="buffered"), pytest.param("full-duplex", id="fullduplex")],
-)
+@pytest.fixture(scope="module", params=BODY_MODES)
 def passing(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    mode = request.param
-    s = make_stack(
-        tmp_path_factory.mktemp(f"passthrough-{mode}"),
-        mode,
-        "memory",
+    yield from serve_stack(
+        tmp_path_factory,
+        "passthrough",
+        request.param,
         replicas=2,
         config_extra={"routing": {"passthrough": {"/tokenize": "main", "/version": "main"}}},
     )
-    s.start()
-    yield s
-    s.stop()
 
 
 def test_a_post_with_a_body_reaches_a_replica_unchanged(passing: Stack) -> None:
