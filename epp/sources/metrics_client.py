@@ -78,7 +78,8 @@ class MetricsConnection:
 
     async def _exchange(self) -> bytes:
         reader, writer = self._reader, self._writer
-        assert reader is not None and writer is not None
+        assert reader is not None
+        assert writer is not None
         writer.write(self._request)
         head = await reader.readuntil(b"\r\n\r\n")
         status, length, chunked, keep = _parse_head(head)

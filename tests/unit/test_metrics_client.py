@@ -109,7 +109,7 @@ async def test_a_connection_the_server_closed_is_replaced(raw: RawServer) -> Non
 
 
 @pytest.mark.parametrize(
-    "answer, error",
+    ("answer", "error"),
     [
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy", "HTTP 503"),
         (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not an HTTP/1.x answer"),
@@ -137,5 +137,5 @@ async def test_nothing_listening_raises() -> None:
     listening.close()
     await listening.wait_closed()
     client = MetricsConnection(f"127.0.0.1:{port}")
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         await client.fetch()
