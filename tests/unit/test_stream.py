@@ -298,3 +298,20 @@ async def test_plain_buffered_answers_are_shared_and_match_a_fresh_build() -> No
     assert scored is not responses.route_in_body("127.0.0.1:8002", [], scores='{"a":1}')
     rewritten = responses.route_in_body("127.0.0.1:8002", [], body=b"{}")
     assert rewritten.request_body.response.body_mutation.body == b"{}"
+
+
+def test_full_duplex_answers_copy_a_shared_one_and_add_the_length() -> None:
+    first = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 10)
+    second = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 20)
+    built = responses._route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 10, None, None)
+    assert first == built
+    assert first is not second
+    lengths = [
+        [h.header.raw_value for h in a.request_headers.response.header_mutation.set_headers]
+        for a in (first, second)
+    ]
+    assert lengths == [[b"127.0.0.1:8002", b"10"], [b"127.0.0.1:8002", b"20"]]
+    # The shared answer itself never carries a length.
+    assert responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], None) == (
+        responses._route_in_headers("127.0.0.1:8002", ["x-epp-explain"], None, None, None)
+    )
