@@ -28,7 +28,8 @@ class MetricsConnection:
     def __init__(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         self._host = host.strip("[]")
-        self._port = int(port)
+        # A malformed address fails each fetch (a failed scrape), like an unreachable one.
+        self._port = int(port) if port.isdigit() else None
         # Classic text format, uncompressed: on a LAN, gzip would cost the replica's API server
         # CPU (its event loop compresses every page) to save bandwidth we do not lack.
         self._request = (
@@ -63,6 +64,8 @@ class MetricsConnection:
                 # The replica may have closed the idle connection (its keep-alive timeout ran
                 # out between two scrapes): once more, on a new connection.
                 self.close()
+        if self._port is None or not self._host:
+            raise ValueError("the endpoint address is not host:port")
         if tls is None:
             opened = await asyncio.open_connection(self._host, self._port, limit=_MAX_HEAD)
         else:

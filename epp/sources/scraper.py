@@ -59,9 +59,12 @@ class _Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     scraped_at: float = 0.0
     task: asyncio.Task[None] | None = None
-    connection: MetricsConnection | None = None
     # The page ``metrics`` were parsed from (empty when they came from elsewhere: the store).
     page: bytes = b""
+    connection: MetricsConnection = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.connection = MetricsConnection(self.address)
 
 
 class MetricsScraper:
@@ -171,7 +174,6 @@ class MetricsScraper:
         await self._store.retain(list(self._endpoints))
 
     async def _run(self, endpoint: _Endpoint) -> None:
-        endpoint.connection = MetricsConnection(endpoint.address)
         try:
             await self._poll(endpoint)
         finally:
@@ -210,7 +212,6 @@ class MetricsScraper:
         return retimed.is_set()
 
     async def _scrape(self, endpoint: _Endpoint) -> None:
-        assert endpoint.connection is not None
         try:
             async with asyncio.timeout(self._timeout):
                 page = await endpoint.connection.fetch(self._tls.get(endpoint.pool))

@@ -139,3 +139,10 @@ async def test_nothing_listening_raises() -> None:
     client = MetricsConnection(f"127.0.0.1:{port}")
     with pytest.raises(ConnectionRefusedError):
         await client.fetch()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:http", ":8000"])
+async def test_a_malformed_address_fails_each_fetch(address: str) -> None:
+    client = MetricsConnection(address)
+    with pytest.raises(ValueError, match="not host:port"):
+        await client.fetch()
