@@ -25,7 +25,8 @@ def child(metric: M, *values: str) -> M:
     request); a dict read suffices once the series is there. A removed series is absent, so
     ``labels`` re-creates it as it always did. (``_metrics`` is prometheus_client's own
     table of label values to series; tests/unit/test_observability_child.py pins it.)"""
-    found = cast(M | None, metric._metrics.get(values))
+    # The type as a string: ``cast(M | None, ...)`` would build the union on every call.
+    found = cast("M | None", metric._metrics.get(values))
     return metric.labels(*values) if found is None else found
 
 

@@ -8,6 +8,7 @@ forged by a client, so our Envoy configuration routes on it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
@@ -80,7 +81,38 @@ def route_in_headers(
     scores: str | None = None,
     overflow: str | None = None,
 ) -> ext_proc_pb2.ProcessingResponse:
-    """Routing answer to the request-headers message (full-duplex mode, or header-only)."""
+    """Routing answer to the request-headers message (full-duplex mode, or header-only).
+
+    Without scores, the answer is a copy of one built once per destination list, headers to
+    remove and overflow pool (see :func:`route_in_body`), with the body's length added (a copy
+    is far cheaper than building the nested messages and metadata again)."""
+    if scores is None:
+        plain = _plain_route_in_headers(destination, tuple(remove), overflow)
+        if content_length is None:
+            return plain
+        answer = ext_proc_pb2.ProcessingResponse()
+        answer.CopyFrom(plain)
+        answer.request_headers.response.header_mutation.set_headers.append(
+            _header("content-length", str(content_length))
+        )
+        return answer
+    return _route_in_headers(destination, remove, content_length, scores, overflow)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_route_in_headers(
+    destination: str, remove: tuple[str, ...], overflow: str | None
+) -> ext_proc_pb2.ProcessingResponse:
+    return _route_in_headers(destination, remove, None, None, overflow)
+
+
+def _route_in_headers(
+    destination: str,
+    remove: Iterable[str],
+    content_length: int | None,
+    scores: str | None,
+    overflow: str | None,
+) -> ext_proc_pb2.ProcessingResponse:
     common, metadata = _routing(destination, remove, content_length, scores, overflow)
     return ext_proc_pb2.ProcessingResponse(
         request_headers=ext_proc_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
@@ -95,7 +127,31 @@ def route_in_body(
     overflow: str | None = None,
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the buffered request-body message; the body itself is not echoed
-    unless epp rewrote it (``body``), which then replaces it along with its Content-Length."""
+    unless epp rewrote it (``body``), which then replaces it along with its Content-Length.
+
+    Without scores or a new body the answer depends only on the destination list, the headers
+    to remove and the overflow pool, which repeat from request to request: such answers are
+    built once and shared (never modified once built; gRPC only serializes them)."""
+    if scores is None and body is None:
+        return _plain_route_in_body(destination, tuple(remove), overflow)
+    return _route_in_body(destination, remove, scores, body, overflow)
+
+
+# Both caches are sized for every ordered pair of a 64-endpoint pool (a pick and a fallback).
+@functools.lru_cache(maxsize=4096)
+def _plain_route_in_body(
+    destination: str, remove: tuple[str, ...], overflow: str | None
+) -> ext_proc_pb2.ProcessingResponse:
+    return _route_in_body(destination, remove, None, None, overflow)
+
+
+def _route_in_body(
+    destination: str,
+    remove: Iterable[str],
+    scores: str | None,
+    body: bytes | None,
+    overflow: str | None,
+) -> ext_proc_pb2.ProcessingResponse:
     length = None if body is None else len(body)
     common, metadata = _routing(destination, remove, length, scores, overflow)
     if body is not None:

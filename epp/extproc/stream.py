@@ -15,7 +15,10 @@ Responses stream past too (response headers, then body chunks: STREAMED after a 
 request, FULL_DUPLEX_STREAMED after a full-duplex one, where each chunk must be echoed). A
 :class:`~epp.extproc.response_stream.ResponseObserver` reads the endpoint that served, the
 status, token timings and usage from them; when a retry served the request elsewhere than
-epp picked, the pick's accounting moves there (:func:`~epp.state.moves.move_pick`).
+epp picked, the pick's accounting moves there (:func:`~epp.state.moves.move_pick`). What a
+complete response showed (metrics, passive health, the latency model) is recorded by
+:meth:`StreamHandler.settle` once the answer to its last message is out, like the pick's
+bookkeeping: neither delays an answer.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class StreamHandler:
         "_observer",
         "_passing",
         "_request",
+        "_response_ended",
         "_response_full_duplex",
         "_router",
         "_spilled",
@@ -124,6 +128,9 @@ class StreamHandler:
         # epp added stream_options.include_usage: hide the usage chunk from the client.
         self._strip_usage = False
         self._observer: ResponseObserver | None = None
+        # When the response completed (the clock's time): what it showed is recorded by
+        # settle(), after the answer.
+        self._response_ended: float | None = None
         # The pick's footprint (in-flight ticket, prefix insertions, session); the servicer
         # releases its ticket when the stream ends.
         self.pick: PickRecord | None = None
@@ -157,7 +164,8 @@ class StreamHandler:
         if kind == "response_body":
             return self._on_response_body(message.response_body)
         if kind == "response_trailers":
-            self.close(complete=True)
+            if self._response_ended is None:
+                self._response_ended = self._clock()
             return (responses.CONTINUE_RESPONSE_TRAILERS,)
         return ()
 
@@ -233,7 +241,7 @@ class StreamHandler:
         if self._trace is not None:
             self._trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:
-            self.close(complete=True)
+            self._response_ended = self._clock()
         return (responses.CONTINUE_RESPONSE_HEADERS,)
 
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
@@ -242,12 +250,13 @@ class StreamHandler:
         chunk = body.body  # one read: each copies the bytes out of the message
         end = body.end_of_stream
         if observer is not None:
-            forward = observer.on_body(chunk, self._clock(), end)
+            now = self._clock()
+            forward = observer.on_body(chunk, now, end)
             first = observer.first_token
             if first is not None and self.pick is not None and self.pick.ticket.waiting:
                 self._router.first_token(self.pick, first)
             if end or observer.body_complete:
-                self.close(complete=True)
+                self._response_ended = now
         if not self._response_full_duplex:
             if forward is None:
                 return (responses.CONTINUE_RESPONSE_BODY,)
@@ -259,9 +268,12 @@ class StreamHandler:
         )
 
     def settle(self) -> None:
-        """Run the pick's bookkeeping held back from the answer (post-pick hooks: prefix
-        index insertions, session binding), recording what it learned in :attr:`pick`. The
-        servicer calls it once the answers of a message are sent; idempotent."""
+        """Run the bookkeeping held back from the answers: the pick's (post-pick hooks: prefix
+        index insertions, session binding, what they learned recorded in :attr:`pick`), and
+        once the response is complete, what it showed (:meth:`close`). The servicer calls it
+        once the answers of a message are sent; idempotent."""
+        if self._response_ended is not None:
+            self.close(complete=True, at=self._response_ended)
         work, self._deferred = self._deferred, []
         if not work:
             return
@@ -275,15 +287,16 @@ class StreamHandler:
         if self.pick is not None:
             self.pick.learned.extend(learned)
 
-    def close(self, complete: bool = False) -> None:
-        """The response ended (``complete``) or its stream closed: record what it showed.
-        Idempotent; the servicer calls it when the stream ends for any reason."""
+    def close(self, complete: bool = False, at: float | None = None) -> None:
+        """The response ended (``complete``, ``at`` the clock's time, default now) or its
+        stream closed: record what it showed. Idempotent; the servicer calls it when the stream
+        ends for any reason."""
         observer = self._observer
         request = self._request
         if observer is None or request is None:
             return
         self._observer = None
-        outcome = observer.finish(self._clock(), complete)
+        outcome = observer.finish(self._clock() if at is None else at, complete)
         record(outcome, request.model, self._objective(request))
         if outcome.served is not None and outcome.complete and outcome.status < 400:
             # A stream's time after its first token is the replica's work; the time before it

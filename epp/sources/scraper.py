@@ -1,10 +1,12 @@
 """Poll every vLLM replica's ``/metrics`` and keep its :class:`EndpointState` in the store.
 
 One task per endpoint, each awaiting its own scrape before sleeping, so scrapes of one endpoint
-never overlap and a slow or dead endpoint only delays itself. All tasks share one aiohttp session
-so each endpoint's connection is kept alive between scrapes rather than reopened every 50 ms.
-A failed poll keeps the last metrics; only ``failure_threshold`` consecutive failures make an
-endpoint unready, so one dropped packet does not shift traffic.
+never overlap and a slow or dead endpoint only delays itself. Each task keeps its endpoint's
+connection alive between scrapes rather than reopening it every 50 ms
+(:mod:`epp.sources.metrics_client`), and a page identical to the last one parsed is not parsed
+again (an idle replica's page does not change). A failed poll keeps the last metrics; only
+``failure_threshold`` consecutive failures make an endpoint unready, so one dropped packet does
+not shift traffic.
 
 When several epp processes share Redis, ``owns`` says which endpoints this process holds the
 scrape lease for (:mod:`epp.state.shared.lease`); the others are followed through the store instead:
@@ -12,9 +14,9 @@ their gauges mirror the lease holder's observations, and a process that takes a 
 continues from the latest of them (failure count included), so an endpoint that was failing for
 the previous owner does not look fresh and ready to the next.
 
-Cost, measured against a real vLLM 0.32 server: one scrape of its ~50 KB page takes ~0.6 ms of
-our CPU (aiohttp ~0.35 ms, parse ~0.06 ms) and ~7 ms of the replica's API-server CPU to render
-the page, so every process polling a replica at 50 ms costs that replica ~14% of a core.
+Cost on the replica, measured against a real vLLM 0.32 server: ~7 ms of its API-server CPU to
+render the ~50 KB page, so every process polling a replica at 50 ms costs that replica ~14% of
+a core.
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from epp.observability import (
     ENDPOINT_METRICS_AGE,
     ENDPOINT_READY,
     SCRAPES,
     forget_endpoint_responses,
 )
+from epp.sources.metrics_client import MetricsConnection
 from epp.sources.vllm_metrics import parse_vllm_metrics
 from epp.state.snapshot import EndpointMetrics, EndpointState
 from epp.state.store import StateStore
@@ -45,10 +46,6 @@ log = logging.getLogger(__name__)
 # Each period is interval * U(1 - JITTER, 1 + JITTER): endpoints start at random phases and keep
 # drifting apart, so they are not polled in lockstep even after a shared outage re-aligned them.
 _JITTER = 0.1
-
-# Ask for the classic text format, uncompressed: on a LAN, gzip would cost the replica's API
-# server CPU (its event loop compresses every page) to save bandwidth we do not lack.
-_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
 
 
 @dataclass
@@ -62,6 +59,12 @@ class _Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     scraped_at: float = 0.0
     task: asyncio.Task[None] | None = None
+    # The page ``metrics`` were parsed from (empty when they came from elsewhere: the store).
+    page: bytes = b""
+    connection: MetricsConnection = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.connection = MetricsConnection(self.address)
 
 
 class MetricsScraper:
@@ -88,7 +91,7 @@ class MetricsScraper:
         self._wanted: dict[str, str] = {}
         self._tls: dict[str, tuple[ssl.SSLContext, str | None]] = {}
         self._endpoints: dict[str, _Endpoint] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._started = False
         # Retain calls in flight; kept so stop() can wait for them and they are not collected.
         self._housekeeping: set[asyncio.Task[None]] = set()
 
@@ -118,8 +121,8 @@ class MetricsScraper:
         removed ones stop being scraped and are dropped from the store.
         """
         self._wanted = dict(endpoints)
-        if self._session is not None:
-            self._reconcile(self._session)
+        if self._started:
+            self._reconcile()
 
     def set_tls(self, pools: Mapping[str, tuple[ssl.SSLContext, str | None]]) -> None:
         """Scrape the replicas of these pools over https with (context, server name to verify,
@@ -127,15 +130,10 @@ class MetricsScraper:
         self._tls = dict(pools)
 
     async def start(self) -> None:
-        if self._session is not None:
+        if self._started:
             return
-        self._session = aiohttp.ClientSession(
-            # No connection cap: each endpoint's task holds at most one connection at a time.
-            connector=aiohttp.TCPConnector(limit=0),
-            headers=_HEADERS,
-            auto_decompress=False,
-        )
-        self._reconcile(self._session)
+        self._started = True
+        self._reconcile()
 
     async def stop(self) -> None:
         tasks = [e.task for e in self._endpoints.values() if e.task is not None]
@@ -144,11 +142,9 @@ class MetricsScraper:
         # Pending retains are local and quick; let them finish so the store matches the list.
         await asyncio.gather(*tasks, *self._housekeeping, return_exceptions=True)
         self._endpoints.clear()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._started = False
 
-    def _reconcile(self, session: aiohttp.ClientSession) -> None:
+    def _reconcile(self) -> None:
         removed = [e for a, e in self._endpoints.items() if a not in self._wanted]
         for endpoint in removed:
             del self._endpoints[endpoint.address]
@@ -160,9 +156,7 @@ class MetricsScraper:
             if known is None:
                 added = _Endpoint(address, pool)
                 self._endpoints[address] = added
-                added.task = asyncio.create_task(
-                    self._run(added, session), name=f"epp-scrape-{address}"
-                )
+                added.task = asyncio.create_task(self._run(added), name=f"epp-scrape-{address}")
             elif known.pool != pool:
                 # Moved to another pool: the next write carries the new pool name.
                 ENDPOINT_READY.remove(known.pool, address)
@@ -179,7 +173,13 @@ class MetricsScraper:
         # run while we waited, and an older list would drop endpoints it added.
         await self._store.retain(list(self._endpoints))
 
-    async def _run(self, endpoint: _Endpoint, session: aiohttp.ClientSession) -> None:
+    async def _run(self, endpoint: _Endpoint) -> None:
+        try:
+            await self._poll(endpoint)
+        finally:
+            endpoint.connection.close()
+
+    async def _poll(self, endpoint: _Endpoint) -> None:
         ENDPOINT_READY.labels(endpoint.pool, endpoint.address).set(0)
         if self._owns(endpoint.address):
             await self._publish(endpoint)  # known, but unready until the first successful scrape
@@ -192,7 +192,7 @@ class MetricsScraper:
         while True:
             self._catch_up(endpoint)
             if self._owns(endpoint.address):
-                await self._scrape(endpoint, session)
+                await self._scrape(endpoint)
             next_at += period
             period = self._interval * random.uniform(1.0 - _JITTER, 1.0 + _JITTER)
             # After a scrape slower than the interval (a timeout), skip the missed ticks
@@ -211,24 +211,15 @@ class MetricsScraper:
                 await retimed.wait()
         return retimed.is_set()
 
-    async def _scrape(self, endpoint: _Endpoint, session: aiohttp.ClientSession) -> None:
+    async def _scrape(self, endpoint: _Endpoint) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=self._timeout)
-            tls = self._tls.get(endpoint.pool)
-            if tls is None:
-                request = session.get(f"http://{endpoint.address}/metrics", timeout=timeout)
+            async with asyncio.timeout(self._timeout):
+                page = await endpoint.connection.fetch(self._tls.get(endpoint.pool))
+            if page != endpoint.page:
+                metrics = parse_vllm_metrics(page.decode("utf-8", "replace"))
+                endpoint.page = page
             else:
-                request = session.get(
-                    f"https://{endpoint.address}/metrics",
-                    timeout=timeout,
-                    ssl=tls[0],
-                    server_hostname=tls[1],
-                )
-            async with request as response:
-                if response.status != 200:
-                    raise ValueError(f"HTTP {response.status}")
-                body = await response.read()
-            metrics = parse_vllm_metrics(body.decode("utf-8", "replace"))
+                metrics = endpoint.metrics
         except TimeoutError:
             self._failed(endpoint, "timeout", f"no answer within {self._timeout:g}s")
         # Any other error, including a bug in parsing, is this endpoint's failed scrape and must
@@ -268,6 +259,7 @@ class MetricsScraper:
         endpoint.ready = state.ready
         endpoint.failures = state.failures
         endpoint.metrics = state.metrics
+        endpoint.page = b""
         endpoint.scraped_at = state.scraped_at
         if state.scraped_at > 0.0:
             ENDPOINT_METRICS_AGE.labels(endpoint.address).set(state.age())

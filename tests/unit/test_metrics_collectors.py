@@ -3,11 +3,13 @@ series with it) and the scheduler's per-plugin timing."""
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.metrics.demand import PoolDemand
-from epp.metrics.plugin_clock import TIMING, Lap
+from epp.metrics.plugin_clock import BUCKETS, FOLD_EVERY, TIMING, Lap, PluginClock, Tally
 from epp.metrics.pool_gauges import PoolGauges
 from epp.scheduling.scorers.load import InflightLoadParams
 from epp.scheduling.scorers.prefix import PrefixParams
@@ -112,3 +114,29 @@ def test_a_plugin_at_several_extension_points_is_timed_at_each() -> None:
     prefix = [point for point, plugin, _, _ in laps if plugin.name == "prefix-cache-scorer"]
     assert prefix == list(points)
     assert all(start <= end for _, _, start, end in laps)
+
+
+def test_laps_are_counted_in_bulk_into_the_buckets_prometheus_would_use() -> None:
+    """A lap only records its duration; counting them later (every FOLD_EVERY runs and at
+    each scrape) puts each in the first bucket whose bound is >= it, as ``le`` says."""
+    tally = Tally()
+    durations = [0.0, *BUCKETS, 0.00001 * 1.5, 0.003, 7.0, 0.0000001]
+    for seconds in durations:
+        tally.pending.append(seconds)
+    expected = [0] * (len(BUCKETS) + 1)
+    for seconds in durations:
+        first = next((i for i, bound in enumerate(BUCKETS) if seconds <= bound), len(BUCKETS))
+        expected[first] += 1
+    cumulative = tally.buckets()
+    assert not tally.pending
+    assert [count for _, count in cumulative] == list(itertools.accumulate(expected))
+    assert tally.total == sum(durations)
+    assert cumulative[-1] == ("+Inf", len(durations))
+
+
+def test_pending_laps_stay_bounded_without_scrapes() -> None:
+    clock = PluginClock([])
+    for _ in range(FOLD_EVERY + 10):
+        clock.start()
+        clock.stop()
+    assert len(TIMING.e2e.pending) < FOLD_EVERY

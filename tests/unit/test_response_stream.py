@@ -151,6 +151,13 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     assert handler.handle(_response_body(ROLE + token("x"))) == (CONTINUE_RESPONSE_BODY,)
     now[0] = 100.3
     handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
+    # What the response showed is recorded after its last answer went out (settle), timed at
+    # its end.
+    assert _sample("epp_tokens_total", model="tiny", objective="", kind="completion") == (
+        tokens_before
+    )
+    now[0] = 100.9
+    handler.settle()
     assert _sample("epp_tokens_total", model="tiny", objective="", kind="completion") == (
         tokens_before + 4
     )
@@ -235,6 +242,7 @@ async def test_first_token_ends_the_prefill_and_teaches_the_latency_model() -> N
     now[0] = 100.55
     handler.handle(_response_body(token("b") + token("c") + token("d")))
     handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
+    handler.settle()  # the servicer's, once the answer is out
     described = fleet.latency.describe(endpoint, time.time())
     assert described is not None
     assert described["ttft_samples"] == 1

@@ -8,6 +8,7 @@ import pytest
 
 from epp._proto import core_pb2, ext_proc_pb2, processing_mode_pb2
 from epp.config import parse_config
+from epp.extproc import responses
 from epp.extproc.responses import MAX_CHUNK
 from epp.extproc.stream import StreamHandler
 from epp.router import Router
@@ -278,3 +279,39 @@ async def test_post_pick_bookkeeping_waits_for_settle() -> None:
     assert [item.endpoint for item in handler.pick.learned] == [endpoint]
     handler.settle()  # idempotent
     assert len(handler.pick.learned) == 1
+
+
+async def test_plain_buffered_answers_are_shared_and_match_a_fresh_build() -> None:
+    """A routing answer without scores or a rewritten body is built once per destination list
+    and headers to remove; scores or a new body always get an answer of their own."""
+    first = responses.route_in_body("127.0.0.1:8002,127.0.0.1:8001", ["x-epp-explain"])
+    again = responses.route_in_body("127.0.0.1:8002,127.0.0.1:8001", ("x-epp-explain",))
+    assert again is first
+    fresh = responses._route_in_body(
+        "127.0.0.1:8002,127.0.0.1:8001", ["x-epp-explain"], None, None, None
+    )
+    assert first == fresh
+    assert destination(first, "request_body") == ("127.0.0.1:8002,127.0.0.1:8001",) * 2
+    other = responses.route_in_body("127.0.0.1:8001,127.0.0.1:8002", ["x-epp-explain"])
+    assert destination(other, "request_body")[0] == "127.0.0.1:8001,127.0.0.1:8002"
+    scored = responses.route_in_body("127.0.0.1:8002", [], scores='{"a":1}')
+    assert scored is not responses.route_in_body("127.0.0.1:8002", [], scores='{"a":1}')
+    rewritten = responses.route_in_body("127.0.0.1:8002", [], body=b"{}")
+    assert rewritten.request_body.response.body_mutation.body == b"{}"
+
+
+def test_full_duplex_answers_copy_a_shared_one_and_add_the_length() -> None:
+    first = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 10)
+    second = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 20)
+    built = responses._route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 10, None, None)
+    assert first == built
+    assert first is not second
+    lengths = [
+        [h.header.raw_value for h in a.request_headers.response.header_mutation.set_headers]
+        for a in (first, second)
+    ]
+    assert lengths == [[b"127.0.0.1:8002", b"10"], [b"127.0.0.1:8002", b"20"]]
+    # The shared answer itself never carries a length.
+    assert responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], None) == (
+        responses._route_in_headers("127.0.0.1:8002", ["x-epp-explain"], None, None, None)
+    )

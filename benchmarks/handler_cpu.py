@@ -1,0 +1,190 @@
+"""epp's own CPU per request, in process: the messages Envoy sends for one request through
+:class:`~epp.extproc.stream.StreamHandler`, as the servicer drives it, without gRPC or Envoy.
+
+The overhead benchmark (benchmarks/overhead.py) measures the whole process through Envoy, which
+on a shared machine swings with everyone else's load; this one times only epp's Python per
+request, with the process's CPU clock, so a change to the hot path shows even when the machine
+is busy. Set-up as in the overhead benchmark: one model on three ready endpoints, the default
+profile, the response path on (response headers, a JSON body with usage, trailers), the served
+endpoint reported as Envoy reports it.
+
+Usage: ``python -m benchmarks.handler_cpu [--requests 5000] [--repeat 5]
+[--before OTHER_WORKTREE]``; ``--before`` runs the same script with that worktree's interpreter
+(its own epp) and prints both. The minimum over ``--repeat`` passes is shown (the least
+disturbed by other processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from epp._proto import core_pb2, ext_proc_pb2, processing_mode_pb2
+from epp.config import parse_config
+from epp.extproc.stream import StreamHandler
+from epp.router import Router
+from epp.state import EndpointMetrics, EndpointState
+from epp.state.fleet import FleetState
+from epp.state.memory import MemoryStore
+from epp.wire import SERVED
+
+SIZES = {"1KB": 1024, "8KB": 8 * 1024, "200KB": 200 * 1024}
+MODES = {
+    "buffered": (
+        processing_mode_pb2.ProcessingMode.BUFFERED,
+        processing_mode_pb2.ProcessingMode.STREAMED,
+    ),
+    "full-duplex": (
+        processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
+        processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
+    ),
+}
+ENDPOINTS = [f"127.0.0.1:{9000 + i}" for i in range(3)]
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+Request = list[ext_proc_pb2.ProcessingRequest]
+
+
+def _headers(values: dict[str, str]) -> core_pb2.HeaderMap:
+    return core_pb2.HeaderMap(
+        headers=[core_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    )
+
+
+def messages(i: int, body: bytes, mode: str) -> Request:
+    """What Envoy sends for request ``i`` (the served-endpoint header is added once picked)."""
+    request_mode, response_mode = MODES[mode]
+    headers = ext_proc_pb2.ProcessingRequest(
+        request_headers=ext_proc_pb2.HttpHeaders(
+            headers=_headers(
+                {
+                    ":authority": "127.0.0.1:10000",
+                    ":path": "/v1/completions",
+                    ":method": "POST",
+                    ":scheme": "http",
+                    "user-agent": "wrk",
+                    "content-type": "application/json",
+                    "content-length": str(len(body)),
+                    "x-forwarded-proto": "http",
+                    "x-request-id": f"req-{i}",
+                }
+            )
+        )
+    )
+    headers.protocol_config.request_body_mode = request_mode
+    headers.protocol_config.response_body_mode = response_mode
+    response_headers = {
+        ":status": "200",
+        "content-type": "application/json",
+        "content-length": str(len(COMPLETION)),
+        "date": "Wed, 25 Nov 2026 16:00:00 GMT",
+        "server": "envoy",
+    }
+    return [
+        headers,
+        ext_proc_pb2.ProcessingRequest(
+            request_body=ext_proc_pb2.HttpBody(body=body, end_of_stream=True)
+        ),
+        ext_proc_pb2.ProcessingRequest(
+            response_headers=ext_proc_pb2.HttpHeaders(headers=_headers(response_headers))
+        ),
+        ext_proc_pb2.ProcessingRequest(
+            response_body=ext_proc_pb2.HttpBody(body=COMPLETION, end_of_stream=True)
+        ),
+        ext_proc_pb2.ProcessingRequest(response_trailers=ext_proc_pb2.HttpTrailers()),
+    ]
+
+
+def drive(router: Router, batch: list[Request]) -> None:
+    """The servicer's loop: each message handled, its bookkeeping settled after the answers;
+    at the stream's end settled, closed and released."""
+    for request in batch:
+        handler = StreamHandler(router)
+        for message in request:
+            if message.HasField("response_headers") and handler.ticket is not None:
+                served = handler.ticket.endpoint.encode()
+                message.response_headers.headers.headers.add(key=SERVED, raw_value=served)
+            handler.handle(message)
+            handler.settle()
+        handler.settle()
+        handler.close()
+        if handler.ticket is not None:
+            router.finish(handler.ticket)
+
+
+async def measure(size: str, mode: str, requests: int, repeat: int) -> float:
+    """Minimum CPU µs per request over ``repeat`` passes (after one warm-up pass)."""
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ENDPOINTS}},
+            "routing": {"max_body_bytes": 4 * 1024 * 1024},
+        }
+    )
+    store = MemoryStore()
+    for address in ENDPOINTS:
+        # Scraped "now" for the whole run: fresh, idle and ready.
+        state = EndpointState(address, "main", True, EndpointMetrics(), time.time() + 3600)
+        await store.put_endpoint(state)
+    router = Router(config, FleetState(store))
+    length = SIZES[size]
+    prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+    best = float("inf")
+    for attempt in range(repeat + 1):
+        batch = [messages(i, body, mode) for i in range(requests)]
+        started = time.process_time()
+        drive(router, batch)
+        spent = (time.process_time() - started) / requests * 1e6
+        if attempt:  # the first pass warms caches and the fleet state
+            best = min(best, spent)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--size", action="append", choices=list(SIZES), help="default: all")
+    parser.add_argument("--mode", action="append", choices=list(MODES), help="default: both")
+    parser.add_argument("--before", help="another worktree (bootstrapped): its epp measured too")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+    args = parser.parse_args()
+    sizes = args.size or list(SIZES)
+    modes = args.mode or list(MODES)
+    ours = {
+        f"{mode} {size}": asyncio.run(measure(size, mode, args.requests, args.repeat))
+        for mode in modes
+        for size in sizes
+    }
+    if args.json:
+        print(json.dumps(ours))
+        return
+    before: dict[str, float] = {}
+    if args.before:
+        argv = [str(Path(args.before) / ".venv" / "bin" / "python"), "-P", __file__, "--json"]
+        argv += ["--requests", str(args.requests), "--repeat", str(args.repeat)]
+        argv += [f"--size={s}" for s in sizes] + [f"--mode={m}" for m in modes]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        before = json.loads(out.splitlines()[-1])
+    print("| mode, prompt |" + (" before µs/req |" if before else "") + " epp µs/req |")
+    print("|---|" + ("---|" if before else "") + "---|")
+    for key, value in ours.items():
+        old = f" {before[key]:.0f} |" if before else ""
+        print(f"| {key} |{old} {value:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
