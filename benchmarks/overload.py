@@ -213,7 +213,9 @@ def _calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     return Calibration(stages, best[0], best[3], sum(sums) / max(1.0, sum(counts)))
 
 
-def _queue_limits(cal: Calibration, args: argparse.Namespace, headroom: float) -> dict[str, Any]:
+def _queue_limits(
+    cal: Calibration, args: argparse.Namespace, headroom: float, engine_priority: bool = False
+) -> dict[str, Any]:
     """Flow control sized from the calibration and the engines' KV size, not guessed.
 
     Two limits on the requests epp has in flight per endpoint (requests rather than tokens:
@@ -228,15 +230,19 @@ def _queue_limits(cal: Calibration, args: argparse.Namespace, headroom: float) -
       would take the KV cache and the prefill time critical requests need.
 
     ``sheddable_reserve`` is the gap between the two. A ``headroom`` that takes batch past
-    what the KV cache holds raises ``max_requests`` to it (the engine-priority rows: the
-    engines then keep a waiting queue, which they serve critical first). The utilisation
+    what the KV cache holds raises ``max_requests`` to it. With ``engine_priority`` (the
+    engines order their own queues, critical first) critical gets a whole KV cache's worth of
+    room above batch: it reaches an engine, which serves it ahead of the batch waiting there,
+    rather than waiting in epp behind batch holding every slot. The utilisation
     thresholds are left to these limits (KV at 0.95, the waiting queue at 50: "past anything
     the limits allow"), and metrics may be 1 s old before they count as full (a noisy 2-core
     machine delays scrapes).
     """
-    kv_requests = args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)
+    kv_requests = max(
+        1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens))
+    )
     batch = cal.capacity * cal.latency / args.replicas * headroom
-    critical = max(1, int(kv_requests), round(batch))
+    critical = round(batch) + kv_requests if engine_priority else max(kv_requests, round(batch))
     return {
         "mode": "queue",
         "max_requests": critical,
@@ -262,7 +268,7 @@ def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dic
     if args.spill:
         out.append((SPILL, _queue_limits(cal, args, args.headroom[0])))
     for h in args.engine_priority:
-        out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h)))
+        out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h, engine_priority=True)))
     return out
 
 
@@ -396,7 +402,14 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             f" `{ENGINE}, batch xF`: `queue` with batch factor F, the replicas run vLLM's "
             "`--scheduling-policy priority` and epp writes each request's priority into its "
             f"body as vLLM's `priority` (`request.engine_priority: true`; critical "
-            f"{-CRITICAL}, batch {-BATCH}: lower is served first)."
+            f"{-CRITICAL}, batch {-BATCH}: lower is served first); critical's `max_requests` "
+            "is the batch limit plus what the KV cache holds: "
+            + ", ".join(
+                f"x{h:g}: {lim['max_requests']} (reserve {lim['sheddable_reserve']:g})"
+                for h in args.engine_priority
+                for lim in [_queue_limits(cal, args, h, engine_priority=True)]
+            )
+            + "."
             if args.engine_priority
             else ""
         ),
