@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from epp.config import ConfigError, parse_config
+from epp.extproc import stream
 from epp.extproc.stream import StreamHandler
 from epp.request import InferenceRequest, set_engine_priority
 from epp.router import Router
@@ -110,14 +111,25 @@ async def test_off_by_default_the_clients_body_passes_unchanged() -> None:
     assert forwarded(router, BUFFERED, body, "critical") == body
 
 
-async def test_a_body_too_deep_to_rewrite_is_refused_rather_than_forwarded() -> None:
-    """Parsed near the recursion limit, the body cannot be written back: with a priority to
-    set, forwarding it as it is would hand the engine the client's own priority."""
+async def test_a_body_too_deep_to_rewrite_is_refused_rather_than_forwarded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body parsed near the recursion limit cannot be written back (whether it can depends on
+    the stack depth at hand, so the serialiser's RecursionError is forced here): with a
+    priority to set, forwarding it as it is would hand the engine the client's own priority."""
     router = await make_router()
     handler = StreamHandler(router)
     handler.handle(headers_msg(extra={"x-gateway-inference-objective": "critical"}))
-    deep = b'{"model":"tiny","prompt":"x","priority":-99,"x":' + b"[" * 980 + b"]" * 980 + b"}"
-    (answer,) = handler.handle(body_msg(deep))
+
+    dumps = json.dumps
+
+    def too_deep(data: Any, **kwargs: Any) -> str:
+        if isinstance(data, dict) and "model" in data:  # the request body, not the error's
+            raise RecursionError
+        return dumps(data, **kwargs)
+
+    monkeypatch.setattr(stream.json, "dumps", too_deep)
+    (answer,) = handler.handle(body_msg(b'{"model":"tiny","prompt":"x","priority":-99}'))
     immediate = answer.immediate_response
     assert immediate.status.code == 400
     assert b"too deeply" in immediate.body
