@@ -7,7 +7,9 @@ Then, for each admission mode, a critical stream (priority 10) at half the capac
 stream (priority -1) ramping from 0.5x to 3x the capacity, the two entering through different
 epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh fleet per run.
 ``queue`` derives its concurrency limit from the calibration (Little's law, see
-:func:`_queue_limits`). Report: docs/overload.md.
+:func:`_queue_limits`). ``--engine-priority F ...`` adds ``queue + engine priority`` rows: the
+replicas run vLLM's ``--scheduling-policy priority``, epp writes each request's priority into
+its body (``request.engine_priority``) and lets F x more batch in. Report: docs/overload.md.
 
     .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
     # about 17 minutes on 2 shared cores
@@ -37,6 +39,7 @@ from benchmarks.routers import FleetStack
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "shed", "queue")
 SPILL = "queue + spill"
+ENGINE = "queue + engine priority"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CRITICAL, BATCH = 10, -1
 # Batch may spill (used only where an overflow pool is configured: the `spill` mode).
@@ -135,7 +138,7 @@ def _ttfts(outcomes: list[Outcome]) -> list[float]:
     return [o.ttft for o in outcomes if o.ok and o.ttft is not None]
 
 
-def _sim_args(args: argparse.Namespace) -> list[str]:
+def _sim_args(args: argparse.Namespace, policy: str = "fcfs") -> list[str]:
     return [
         "--profile",
         "h100",
@@ -143,6 +146,8 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
         str(args.time_scale),
         "--num-gpu-blocks",
         str(args.num_gpu_blocks),
+        "--scheduling-policy",
+        policy,
     ]
 
 
@@ -157,19 +162,25 @@ class Calibration:
 
 
 def _stack(
-    workdir: Path, args: argparse.Namespace, admission: dict[str, Any], epps: int = 2
+    workdir: Path,
+    args: argparse.Namespace,
+    admission: dict[str, Any],
+    epps: int = 2,
+    engine_priority: bool = False,
 ) -> FleetStack:
+    """A fleet; with ``engine_priority`` its engines order and preempt by the body's
+    priority, which epp writes there."""
     workdir.mkdir(parents=True)
     return FleetStack(
         workdir,
         replicas=args.replicas,
         epp_count=epps,
         redis_url=REDIS_URL,
-        sim_args=_sim_args(args),
+        sim_args=_sim_args(args, "priority" if engine_priority else "fcfs"),
         config_extra={
             "store": {"key_prefix": f"epp-overload-{uuid.uuid4().hex[:8]}"},
             "admission": admission,
-            "request": {"objectives": OBJECTIVES},
+            "request": {"objectives": OBJECTIVES, "engine_priority": engine_priority},
         },
     )
 
@@ -202,7 +213,9 @@ def _calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     return Calibration(stages, best[0], best[3], sum(sums) / max(1.0, sum(counts)))
 
 
-def _queue_limits(cal: Calibration, args: argparse.Namespace, headroom: float) -> dict[str, Any]:
+def _queue_limits(
+    cal: Calibration, args: argparse.Namespace, headroom: float, engine_priority: bool = False
+) -> dict[str, Any]:
     """Flow control sized from the calibration and the engines' KV size, not guessed.
 
     Two limits on the requests epp has in flight per endpoint (requests rather than tokens:
@@ -216,13 +229,20 @@ def _queue_limits(cal: Calibration, args: argparse.Namespace, headroom: float) -
       (x ``headroom``). Past it, batch waits in epp rather than in the engines, where it
       would take the KV cache and the prefill time critical requests need.
 
-    ``sheddable_reserve`` is the gap between the two. The utilisation thresholds are left to
-    these limits (KV at 0.95, the waiting queue at 50: "past anything the limits allow"), and
-    metrics may be 1 s old before they count as full (a noisy 2-core machine delays scrapes).
+    ``sheddable_reserve`` is the gap between the two. A ``headroom`` that takes batch past
+    what the KV cache holds raises ``max_requests`` to it. With ``engine_priority`` (the
+    engines order their own queues, critical first) critical gets a whole KV cache's worth of
+    room above batch: it reaches an engine, which serves it ahead of the batch waiting there,
+    rather than waiting in epp behind batch holding every slot. The utilisation
+    thresholds are left to these limits (KV at 0.95, the waiting queue at 50: "past anything
+    the limits allow"), and metrics may be 1 s old before they count as full (a noisy 2-core
+    machine delays scrapes).
     """
-    kv_requests = args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)
-    critical = max(1, int(kv_requests))
-    batch = min(critical, cal.capacity * cal.latency / args.replicas * headroom)
+    kv_requests = max(
+        1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens))
+    )
+    batch = cal.capacity * cal.latency / args.replicas * headroom
+    critical = round(batch) + kv_requests if engine_priority else max(kv_requests, round(batch))
     return {
         "mode": "queue",
         "max_requests": critical,
@@ -247,6 +267,8 @@ def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dic
             out.append(("queue" if h == 1 else f"queue, batch x{h:g}", _queue_limits(cal, args, h)))
     if args.spill:
         out.append((SPILL, _queue_limits(cal, args, args.headroom[0])))
+    for h in args.engine_priority:
+        out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h, engine_priority=True)))
     return out
 
 
@@ -282,7 +304,7 @@ def _fate(o: Outcome) -> str:
 def _run_mode(
     mode: str, admission: dict[str, Any], cal: Calibration, args: argparse.Namespace, workdir: Path
 ) -> dict[str, Any]:
-    stack = _stack(workdir / "home", args, admission)
+    stack = _stack(workdir / "home", args, admission, engine_priority=mode.startswith(ENGINE))
     with contextlib.ExitStack() as running:
         if mode == SPILL:
             # The other region: its own fleet behind its own Envoy and epp (admission off).
@@ -375,6 +397,21 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             "`max_requests` of the overflow is what that fleet holds at the capacity."
             if args.spill
             else ""
+        )
+        + (
+            f" `{ENGINE}, batch xF`: `queue` with batch factor F, the replicas run vLLM's "
+            "`--scheduling-policy priority` and epp writes each request's priority into its "
+            f"body as vLLM's `priority` (`request.engine_priority: true`; critical "
+            f"{-CRITICAL}, batch {-BATCH}: lower is served first); critical's `max_requests` "
+            "is the batch limit plus what the KV cache holds: "
+            + ", ".join(
+                f"x{h:g}: {lim['max_requests']} (reserve {lim['sheddable_reserve']:g})"
+                for h in args.engine_priority
+                for lim in [_queue_limits(cal, args, h, engine_priority=True)]
+            )
+            + "."
+            if args.engine_priority
+            else ""
         ),
         "",
         f"Unloaded critical TTFT (critical alone, admission off): p50 {base50:.3f} s, "
@@ -429,6 +466,15 @@ def main() -> None:
         "--spill",
         action="store_true",
         help="add a queue + spill run: a second fleet (its own Envoy and epp) as overflow pool",
+    )
+    parser.add_argument(
+        "--engine-priority",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="F",
+        help="add a queue + engine priority run per batch factor F (engines ordering and "
+        "preempting by priority, which epp writes into the body)",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
     args = parser.parse_args()

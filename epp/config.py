@@ -18,7 +18,7 @@ Shape (every section optional except ``models`` and ``pools``)::
     autoscaling: {target_utilisation, replica_concurrency, window_seconds}
     request:  {session_header, priority_header, objective_header, fairness_header,
                objectives: {NAME: int | {priority, spill}}, trusted_headers,
-               api_keys: {KEY: {tenant, objective}}}
+               api_keys: {KEY: {tenant, objective}}, engine_priority}
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}}
@@ -661,6 +661,7 @@ def _request(node: _Node) -> RequestPolicy:
         "objectives",
         "trusted_headers",
         "api_keys",
+        "engine_priority",
     )
     d = RequestPolicy()
     objectives: dict[str, int] = {}
@@ -703,6 +704,7 @@ def _request(node: _Node) -> RequestPolicy:
         objective_targets=targets,
         trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
         api_keys=api_keys,
+        engine_priority=node.get("engine_priority", bool, d.engine_priority),
     )
 
 

@@ -175,6 +175,9 @@ class RequestPolicy:
     objective_targets: Mapping[str, LatencyTarget] = field(default_factory=dict)
     trusted_headers: bool = True
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
+    # Write the request's priority into the forwarded body as vLLM's ``priority`` field (for
+    # engines run with ``--scheduling-policy priority``; docs/admission.md, engine priority).
+    engine_priority: bool = False
 
 
 @dataclass(slots=True)
@@ -270,7 +273,7 @@ def parse_decoded(
     try:
         prompt, token_ids, messages = _PROMPT_READERS[api](data)
     except RecursionError:
-        raise _too_deep() from None
+        raise too_deep() from None
     _check_encodable(prompt)
     priority, fairness_id, objective = _identity(headers, policy)
     request = InferenceRequest(
@@ -291,6 +294,25 @@ def parse_decoded(
         headers=headers,
     )
     return request, data
+
+
+def set_engine_priority(request: InferenceRequest, data: dict[str, Any]) -> bool:
+    """Write the request's priority into the decoded body as vLLM's ``priority`` field; True
+    when the body changed (and must be re-serialised).
+
+    epp's priorities rank higher as more important, vLLM serves the lower value first: the
+    field is the negated priority. Whatever the client put there is overwritten (priority comes
+    from trusted sources only, :func:`_identity`), and vLLM's default of 0 needs no field.
+    """
+    wanted = -request.priority
+    current = data.get("priority", 0)
+    if type(current) is int and current == wanted:
+        return False
+    if wanted == 0:
+        del data["priority"]
+    else:
+        data["priority"] = wanted
+    return True
 
 
 def check_headers(headers: Mapping[str, str], max_body_bytes: int) -> RequestError | None:
@@ -405,7 +427,7 @@ def _decode_strict(body: bytes) -> dict[str, Any]:
             parse_float=_finite_float,
         )
     except RecursionError:
-        raise _too_deep() from None
+        raise too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}.") from None
     if not isinstance(data, dict):
@@ -446,7 +468,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _too_deep() -> RequestError:
+def too_deep() -> RequestError:
     return bad_request(
         "Request body nests arrays or objects too deeply (about 1000 levels is the limit)."
     )

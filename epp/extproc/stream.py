@@ -45,7 +45,14 @@ from epp.observability import (
     child,
     refusal_reason,
 )
-from epp.request import InferenceRequest, api_for_path, check_headers, parse_decoded
+from epp.request import (
+    InferenceRequest,
+    api_for_path,
+    check_headers,
+    parse_decoded,
+    set_engine_priority,
+    too_deep,
+)
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, move_pick, recording
@@ -343,7 +350,7 @@ class StreamHandler:
             request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, config.request, config.models
             )
-            rewritten = self._ask_for_usage(request, data)
+            rewritten = self._rewrite_body(request, data)
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.parse", started, {"epp.body_bytes": len(body)}, error.message)
@@ -367,31 +374,43 @@ class StreamHandler:
             return ()
         return self._route(request, chunks, after, rewritten is not None)
 
-    def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
+    def _rewrite_body(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
+        """The body to forward instead of the client's, or None to forward it unchanged: one
+        re-serialisation for every change epp makes (the engine priority, the usage option)."""
+        changed = self._router.config.request.engine_priority and set_engine_priority(request, data)
+        asked_usage = self._ask_for_usage(request, data)
+        if not (changed or asked_usage):
+            return None
+        try:
+            rewritten = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        except RecursionError:
+            # Parsed near the recursion limit, the body is one level too deep to write back
+            # from here. Without the usage option it can go as it is; not with a priority epp
+            # had to set or overwrite (the client's own would reach the engine).
+            if changed:
+                raise too_deep() from None
+            return None
+        self._strip_usage = asked_usage
+        return rewritten
+
+    def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
         """With ``routing.inject_stream_usage``, a streaming request that did not ask for
-        usage gets ``stream_options.include_usage`` (the new body is returned) and the usage
-        chunk it brings is later removed from what the client receives."""
+        usage gets ``stream_options.include_usage`` (True when ``data`` was changed) and the
+        usage chunk it brings is later removed from what the client receives."""
         if not (
             self._router.config.routing.inject_stream_usage
             and request.stream
             and request.api in _USAGE_OPTION_APIS
         ):
-            return None
+            return False
         options = data.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            return None
+            return False
         data["stream_options"] = {
             **(options if isinstance(options, dict) else {}),
             "include_usage": True,
         }
-        try:
-            rewritten = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
-        except RecursionError:
-            # Parsed near the recursion limit, the body is one level too deep to write back
-            # from here: forward it as it is, without the usage option.
-            return None
-        self._strip_usage = True
-        return rewritten
+        return True
 
     def refuse_pending(self, error: RequestError) -> Sequence[Response]:
         """The :attr:`pending` request was refused while held (flow control: queue full, TTL)."""

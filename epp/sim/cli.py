@@ -16,6 +16,7 @@ from typing import Any
 from epp.sim.engine import EngineConfig
 from epp.sim.profiles import PROFILES
 from epp.sim.replica import Replica, ReplicaConfig
+from epp.sim.request_queue import SchedulingPolicy
 from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -66,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", type=Path, default=BUNDLED_DIR, help="HF tokenizer directory")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="seed of the error_rate fault's draws")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=[p.value for p in SchedulingPolicy],
+        default=SchedulingPolicy.FCFS.value,
+        help="priority: serve and keep requests by the body's `priority` (lower first)",
+    )
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
@@ -115,6 +122,7 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
         max_loras=args.max_loras if loras else 0,
         time_scale=args.time_scale,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=SchedulingPolicy(args.scheduling_policy),
     )
     base = args.base_port if args.base_port is not None else args.port
     speeds = parse_speeds(args.speed, args.replicas)

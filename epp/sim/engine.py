@@ -20,6 +20,7 @@ from epp.sim.kv_manager import KVCacheManager
 from epp.sim.lora import LoraSlots
 from epp.sim.profiles import Profile
 from epp.sim.request import SimRequest, Status
+from epp.sim.request_queue import SchedulingPolicy
 from epp.sim.scheduler import Batch, Scheduler, SchedulerConfig
 
 # How far stepping may fall behind its schedule before the debt is dropped.
@@ -41,6 +42,7 @@ class EngineConfig:
     # of one fleet on faster or slower hardware. The API server's per-request overhead is CPU
     # work and does not change.
     speed: float = 1.0
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     @property
     def step_scale(self) -> float:
@@ -80,7 +82,10 @@ class Engine:
         pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, self.listener)
         self.kv = KVCacheManager(pool, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras), self.kv
+            SchedulerConfig(
+                cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras, cfg.scheduling_policy
+            ),
+            self.kv,
         )
         self.loras = LoraSlots(cfg.max_loras, cfg.profile.lora_load_s)
         self._unpaused.set()

@@ -39,6 +39,8 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    # vLLM's extra parameter: lower is served first under --scheduling-policy priority.
+    priority: int
 
 
 def _int_field(body: dict[str, Any], name: str) -> int | None:
@@ -75,12 +77,16 @@ def parse_generation(body: Any, default_model: str, default_max_tokens: int) -> 
         raise APIError(
             400, "Stream options can only be defined when `stream=True`.", "stream_options"
         )
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise APIError(400, "'priority' must be an integer", "priority")
     return GenerationParams(
         model=model,
         max_tokens=max_tokens or default_max_tokens,
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
+        priority=priority,
     )
 
 

@@ -30,6 +30,8 @@ class SimRequest:
     max_tokens: int
     arrival_time: float
     lora: str | None = None
+    # The body's `priority`: under --scheduling-policy priority, lower is served first.
+    priority: int = 0
     # The adapter's path as given to --lora-modules: vLLM hashes it into the blocks.
     lora_path: str | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -1,21 +1,24 @@
-"""Continuous-batching scheduler modelled on vLLM v1's (FCFS policy).
+"""Continuous-batching scheduler modelled on vLLM v1's (policies fcfs and priority).
 
 Each step gets a token budget (max_num_batched_tokens). Running requests are served first, in
 order: a decode needs 1 token, an unfinished prefill the rest of its prompt (chunked to the
-budget). When KV blocks run out the most recently admitted running request is preempted
-(recompute: its blocks are freed and it goes back to the front of the waiting queue). Then, if
-nothing was preempted, waiting requests are admitted FCFS while the budget, max_num_seqs,
-the KV pool and LoRA slots allow; a request whose adapter cannot get a slot is skipped so
-the ones behind it are not blocked.
+budget). When KV blocks run out a running request is preempted (recompute: its blocks are
+freed and it goes back to the waiting queue): under fcfs the most recently admitted one,
+under priority the one with the highest (priority, arrival time), which may be one already
+scheduled this step (its tokens are given back) or the request that needed the blocks. Then,
+if nothing was preempted, waiting requests are admitted in queue order (request_queue.py)
+while the budget, max_num_seqs, the KV pool and LoRA slots allow; a request whose adapter
+cannot get a slot is skipped so the ones behind it are not blocked. A waiting request never
+preempts a running one, whatever its priority: admission stops at the first that does not fit.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from epp.sim.kv_manager import KVCacheManager
 from epp.sim.request import SimRequest, Status
+from epp.sim.request_queue import RequestQueue, SchedulingPolicy, make_queue
 
 
 @dataclass
@@ -23,6 +26,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_loras: int = 0
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
 
 @dataclass
@@ -40,15 +44,18 @@ class Batch:
 class Scheduler:
     config: SchedulerConfig
     kv: KVCacheManager
-    waiting: deque[SimRequest] = field(default_factory=deque)
+    waiting: RequestQueue = field(init=False)
     running: list[SimRequest] = field(default_factory=list)
     num_preemptions: int = 0
     # Requests in flight (waiting or running) per adapter, in the order the adapters became
     # busy: what vLLM's LoRARequestStates reports in vllm:lora_requests_info.
     lora_in_flight: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.waiting = make_queue(self.config.policy)
+
     def add(self, req: SimRequest) -> None:
-        self.waiting.append(req)
+        self.waiting.add(req)
         if req.lora:
             self.lora_in_flight[req.lora] = self.lora_in_flight.get(req.lora, 0) + 1
 
@@ -66,7 +73,12 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                victim = self._victim()
+                if victim in batch.num_tokens:
+                    # Scheduled earlier this step: give its tokens back; the list shifts left.
+                    budget += batch.num_tokens.pop(victim)
+                    i -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
@@ -81,20 +93,25 @@ class Scheduler:
             self._admit(batch, budget, now)
         return batch
 
+    def _victim(self) -> SimRequest:
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     def _admit(self, batch: Batch, budget: int, now: float) -> None:
         skipped: list[SimRequest] = []
         loras = self.running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if req.lora and req.lora not in loras and len(loras) >= self.config.max_loras:
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.kv.record_prefix_cache_stats(req, num_hit)
-            self.waiting.popleft()
+            self.waiting.pop()
             req.num_computed_tokens = num_hit
             req.status = Status.RUNNING
             if req.scheduled_time is None:
@@ -105,7 +122,8 @@ class Scheduler:
             self.running.append(req)
             batch.num_tokens[req] = n
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
 
     def preempt_all(self) -> None:
         """Send every running request back to the waiting queue (vLLM's reset_prefix_cache
@@ -119,7 +137,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     def finish(self, req: SimRequest, status: Status) -> None:
         """Remove a request (finished or aborted) wherever it is and free its blocks."""

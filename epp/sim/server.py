@@ -135,7 +135,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         params.max_tokens,
         arrival,
         lora,
-        replica.config.lora_modules[lora] if lora else None,
+        priority=params.priority,
+        lora_path=replica.config.lora_modules[lora] if lora else None,
     )
     if engine.config.enable_prefix_caching and len(tokens) >= OFFLOAD_HASH_TOKENS:
         # vLLM's sha256 block hashes cost a few us per block: hash a long prompt in a worker
