@@ -63,7 +63,7 @@ class Router:
         # Discovered endpoints Envoy may not have resolved yet (set before the config below).
         self.settling = Settling()
         # Holds requests while their pool is saturated (admission mode ``queue``).
-        self.flow = FlowController(QueueLimits(), self.pool_saturated)
+        self.flow = FlowController(QueueLimits(), self.pool_saturated, group=fleet.queues)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
@@ -98,6 +98,7 @@ class Router:
         self.demand.forget(set(config.pools))
         self._config = config
         self.flow.limits = config.flow_control.limits
+        self.flow.use_group = config.flow_control.scope == "group"
 
     @property
     def profile(self) -> Profile:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epp.admission.group import GroupQueues
 from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
@@ -38,3 +39,5 @@ class FleetState:
     health: HealthTracker = field(default_factory=HealthTracker)
     # Each endpoint's learned prefill rate, queueing and decode speed (the latency model).
     latency: LatencyModel = field(default_factory=LatencyModel)
+    # Flow control's ledger and the other epp processes' queues (cluster-wide bands, fairness).
+    queues: GroupQueues = field(default_factory=GroupQueues)
