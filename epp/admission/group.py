@@ -190,6 +190,7 @@ class GroupQueues:
         another process (for at most :attr:`hold`; then the local turn, ``flows[0]``, goes:
         work-conserving). Without a fresh view: ``flows[0]``, the local order."""
         if not self.live(now):
+            self._yielding.pop(key, None)
             return flows[0]
         choice = self.choose(key, priority, flows, now)
         if choice is not None:
