@@ -31,8 +31,10 @@ def test_a_higher_band_waiting_elsewhere_takes_the_room() -> None:
     assert group.choose("m", 10, ["chat-2"], 0.0) == "chat-2"
     # Another pool's critical work is no reason to idle this pool.
     assert group.choose("other", -1, ["evals"], 0.0) == "evals"
-    assert group.waiting("m", 10, 0.0) and group.waiting("m", -1, 0.0)
-    assert not group.waiting("m", 11, 0.0) and not group.waiting("other", 0, 0.0)
+    assert group.waiting("m", 10, 0.0)
+    assert group.waiting("m", -1, 0.0)
+    assert not group.waiting("m", 11, 0.0)
+    assert not group.waiting("other", 0, 0.0)
 
 
 def test_an_over_served_flow_yields_to_one_waiting_only_elsewhere() -> None:
@@ -91,7 +93,8 @@ def test_a_stale_or_lost_view_falls_back_to_the_local_order() -> None:
     assert group.pick("m", -1, ["evals"], 0.0) is None
     # Stale: the other process's critical work may be long gone; dispatch locally.
     later = group.stale + 0.001
-    assert not group.live(later) and not group.waiting("m", 10, later)
+    assert not group.live(later)
+    assert not group.waiting("m", 10, later)
     assert group.pick("m", -1, ["evals"], later) == "evals"
     group.apply({"b": [Row("m", 10, "chat", 1, 0)]}, later)
     assert group.pick("m", -1, ["evals"], later) is None

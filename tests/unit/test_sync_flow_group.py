@@ -165,7 +165,7 @@ async def test_with_redis_down_each_epp_orders_its_own_queue_and_says_so(
     server = redis_servers.RedisServer(tmp_path).start()
     try:
         pool = Pool(capacity=1, taken=1)
-        (a, fa), (b, fb) = await processes(pool, server.url), await processes(pool, server.url)
+        (a, _fa), (b, fb) = await processes(pool, server.url), await processes(pool, server.url)
         now = asyncio.get_running_loop().time
         order: list[str] = []
         critical = asyncio.create_task(_held(a, pool, 10, "chat", order))
