@@ -129,7 +129,7 @@ def _sample_waiting(stack: FleetStack, until: float, into: list[dict[str, float]
             for line in _metrics(stack, index):
                 if line.startswith(QUEUE_SIZE + "{"):
                     flow = line.split('fairness_id="', 1)[1].split('"', 1)[0]
-                    held[flow] += float(line.rsplit(" ", 1)[1])
+                    held[flow] += round(float(line.rsplit(" ", 1)[1]))
         into.append(dict(held))
         time.sleep(0.5)
 
