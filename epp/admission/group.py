@@ -53,6 +53,9 @@ STALE_INTERVALS = 10
 # A local row with nothing queued and no dispatch for this long is no longer published (and its
 # count restarts from 0, which readers count from, since they forget rows that vanish).
 IDLE_SECONDS = 30.0
+# Without an exchange (memory store) nothing exports; local updates then prune every so often,
+# so tables do not grow with every fairness id ever seen.
+PRUNE_EVERY = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,7 @@ class GroupQueues:
         self._viewed_at: float | None = None
         # Pool key -> when its dispatcher started yielding the current room to another process.
         self._yielding: dict[str, float] = {}
+        self._updates = 0
 
     def set_interval(self, interval: float) -> None:
         """Follow the exchange interval (the shared-state tick): hold and staleness derive
@@ -123,6 +127,7 @@ class GroupQueues:
         f = (key, priority, flow)
         self._queued[f] = self._queued.get(f, 0) + delta
         self._touched[f] = now
+        self._updated(now)
 
     def dispatched(self, key: str, priority: int, flow: str, now: float) -> None:
         """This process released a request of a flow: counted at once in the group's share."""
@@ -130,18 +135,27 @@ class GroupQueues:
         self._dispatched[f] = self._dispatched.get(f, 0) + 1
         self._touched[f] = now
         self._served_of(f, now).add(1.0, now)
+        self._updated(now)
 
     def export(self, now: float) -> list[Row]:
         """The rows to publish; flows idle for :data:`IDLE_SECONDS` are dropped for good."""
-        rows = []
+        self._prune(now)
+        return [
+            Row(*f, max(0, self._queued.get(f, 0)), self._dispatched.get(f, 0))
+            for f in self._touched
+        ]
+
+    def _updated(self, now: float) -> None:
+        self._updates += 1
+        if self._updates % PRUNE_EVERY == 0:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
         for f, touched in list(self._touched.items()):
-            queued = self._queued.get(f, 0)
-            if queued <= 0 and now - touched >= IDLE_SECONDS:
+            if self._queued.get(f, 0) <= 0 and now - touched >= IDLE_SECONDS:
                 for table in (self._queued, self._dispatched, self._touched):
                     table.pop(f, None)
-                continue
-            rows.append(Row(*f, max(0, queued), self._dispatched.get(f, 0)))
-        return rows
+        self._forget_faded(now)
 
     # -- the others ---------------------------------------------------------------------------
 

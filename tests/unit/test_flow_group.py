@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from epp.admission.flow_queue import BandLimits, FlowQueue, QueueLimits
-from epp.admission.group import IDLE_SECONDS, MARGIN, SERVED_TAU, GroupQueues, Row
+from epp.admission.group import IDLE_SECONDS, MARGIN, PRUNE_EVERY, SERVED_TAU, GroupQueues, Row
 
 INTERVAL = 0.05
 
@@ -194,3 +194,16 @@ def test_two_processes_share_out_dispatches_equally_only_with_the_group_view() -
     assert abs(together["heavy"] - together["light"]) <= 0.1 * together["light"], together
     # Yielding costs little throughput: the pool stays nearly as busy.
     assert together.total() >= 0.9 * alone.total(), (together, alone)
+
+
+def test_without_an_exchange_local_tables_stay_bounded() -> None:
+    """The memory store never exports: tables are pruned by local updates alone."""
+    group = GroupQueues(INTERVAL)
+    for i in range(5000):
+        now = i * 0.1  # a new tenant every 0.1 s, one request each
+        group.queued("m", 0, f"tenant-{i}", 1, now)
+        group.queued("m", 0, f"tenant-{i}", -1, now)
+        group.dispatched("m", 0, f"tenant-{i}", now)
+    # Tenants idle for IDLE_SECONDS (300 of them at this rate) and faded counts are gone.
+    assert len(group.export(500.0)) <= IDLE_SECONDS / 0.1 + PRUNE_EVERY
+    assert len(group._served) <= IDLE_SECONDS / 0.1 + PRUNE_EVERY
