@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2, help="max_requests per replica")
     parser.add_argument("--time-scale", type=float, default=3.0)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--light", type=int, default=4, help="light clients (heavy: 10x)")
+    parser.add_argument("--light", type=int, default=8, help="light clients (heavy: 10x)")
     parser.add_argument("--critical", type=int, default=2, help="critical clients (batch: 10x)")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=60.0)
