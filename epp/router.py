@@ -155,8 +155,8 @@ class Router:
 
         Flow control releases a request because some candidate has room; scoring alone (prefix
         affinity above all) would still pick a full one, the pool would still have room, and
-        the dispatcher would release the whole queue onto that one endpoint (measured:
-        ``max_requests: 2`` per endpoint, 40 requests on one replica)."""
+        the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
+        Dispatch)."""
         full = self._config.admission.endpoint_full
         load = self.fleet.inflight.load
         return [c for c in candidates if not full(c, now, load(c.address), sheddable)] or candidates

@@ -26,7 +26,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio.retry import Retry
@@ -206,6 +206,8 @@ class SharedState:
         latency = self._ticks % max(1, round(LATENCY_PERIOD_S / self._interval)) == 0
         self._ticks += 1
         async with self._client.pipeline(transaction=False) as pipe:
+            # Writes first, then one read per other member and kind: the replies of the reads
+            # are the tail of the results, whatever the writes were.
             order = self.leases.queue(pipe)
             if fields:
                 pipe.hset(own, mapping=fields)
@@ -213,41 +215,41 @@ class SharedState:
             # Always written (an empty list too): the others must see a queue that drained.
             rows = encode_queue(self._queues.export(time.monotonic()))
             pipe.set(self.keys.queue(self.me), rows, px=self._load_ttl_ms)
+            if latency:
+                self._write_latency(pipe)
             for member in others:
                 pipe.hgetall(self.keys.load(member))
             for member in others:
                 pipe.get(self.keys.queue(member))
             if latency:
-                self._queue_latency(pipe, others)
+                for member in others:
+                    pipe.hgetall(self.keys.latency(member))
             results = await pipe.execute()
         self._members = self.leases.apply(order, results[0])
         n = len(others)
+        tail = results[len(results) - n * (3 if latency else 2) :]
+        loads, queues, latencies = tail[:n], tail[n : 2 * n], tail[2 * n :]
         if latency:
-            self._latency.apply_remote(results[len(results) - n :])
-            results = results[: len(results) - n]
-        queues = results[len(results) - n :]
+            self._latency.apply_remote(latencies)
         self._queues.apply(
             {m: decode_queue(raw) for m, raw in zip(others, queues, strict=True)},
             time.monotonic(),
         )
-        remote = total(results[len(results) - 2 * n : len(results) - n])
+        remote = total(loads)
         self._inflight.remote = remote
         SHARED_MEMBERS.set(len(self._members))
         for address in {*local, *remote}:
-            for origin, loads in (("local", local), ("remote", remote)):
-                load = loads.get(address)
+            for origin, loads_of in (("local", local), ("remote", remote)):
+                load = loads_of.get(address)
                 SHARED_INFLIGHT.labels(address, origin).set(load.requests if load else 0)
 
-    def _queue_latency(self, pipe: Any, others: Sequence[str]) -> None:
-        """Write this process's latency evidence and read the others' (last in the pipeline,
-        one reply per other member)."""
+    def _write_latency(self, pipe: Any) -> None:
+        """Write this process's latency evidence (the others' is read with the other reads)."""
         exported = self._latency.export(time.time())
         own = self.keys.latency(self.me)
         if exported:
             pipe.hset(own, mapping=dict(exported))
             pipe.pexpire(own, round(LATENCY_TTL_S * 1000))
-        for member in others:
-            pipe.hgetall(self.keys.latency(member))
 
     def _set_up(self, up: bool, exc: Exception | None = None) -> None:
         if not up:
