@@ -346,8 +346,9 @@ POOL_SATURATION = Gauge(
 )
 FLOW_GROUP = Gauge(
     "epp_flow_control_group",
-    "1 while flow control orders dispatch with the other epp processes' queues (exchanged "
-    "through Redis); 0 while this process orders only its own (no Redis, or Redis down).",
+    "1 while this process exchanges flow-control queues with the other epp processes "
+    "through Redis (dispatch then follows the group's order, unless admission.scope is "
+    "local); 0 while it orders only its own queue (no Redis, or Redis down).",
 )
 FLOW_YIELDS = Counter(
     "epp_flow_control_yields_total",
