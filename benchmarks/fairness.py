@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.overload import _pct
 from benchmarks.routers import FleetStack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,11 +174,6 @@ def _stack(workdir: Path, args: argparse.Namespace, epps: int, scope: str) -> Fl
             "health": {"enabled": False},
         },
     )
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def _fairness(
