@@ -10,7 +10,7 @@ flight) before saturation is checked again: holding never starves the fleet, and
 A client that goes away cancels its stream's coroutine: its entry leaves the queue at once and it
 is never routed.
 
-The queue is per process, its order group-wide: with a :class:`~epp.admission.group.GroupQueues`
+The queue is per process, its order group-wide: with a :class:`~epp.state.group_queues.GroupQueues`
 view of the other epps' queues (exchanged through Redis in the background), the dispatcher
 picks the flow the group has served least and yields a freed slot, for at most the view's
 ``hold`` time, to a higher band or an under-served flow waiting in another process. With no
@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 
 from epp.admission.flow_queue import Dropped, FlowQueue, QueueLimits
-from epp.admission.group import GroupQueues
 from epp.errors import RequestError
 from epp.observability import FLOW_DROPPED, FLOW_QUEUE_DURATION, FLOW_QUEUE_SIZE
+from epp.state.group_queues import GroupQueues
 
 # How often a non-empty queue re-checks saturation without a completion to wake it (scraped
 # metrics change between completions too).

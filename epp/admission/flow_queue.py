@@ -196,7 +196,7 @@ class FlowQueue(Generic[T]):
     def pop(self, now: float, flow: str | None = None) -> Entry[T] | None:
         """The next entry to dispatch (highest band, next flow in turn), or None if empty.
         ``flow`` (waiting in the highest band) overrides the turn: the group's choice
-        (:mod:`epp.admission.group`); that flow then goes to the back of the round-robin."""
+        (:mod:`epp.state.group_queues`); that flow then goes to the back of the round-robin."""
         for p in sorted(self._bands, reverse=True):
             band = self._bands[p]
             if band.size:

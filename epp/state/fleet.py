@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epp.admission.group import GroupQueues
 from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
 from epp.state.backlog import PrefillBacklog
+from epp.state.group_queues import GroupQueues
 from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
 from epp.state.latency import LatencyModel

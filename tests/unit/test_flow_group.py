@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from epp.admission.flow_queue import BandLimits, FlowQueue, QueueLimits
-from epp.admission.group import IDLE_SECONDS, MARGIN, PRUNE_EVERY, SERVED_TAU, GroupQueues, Row
+from epp.state.group_queues import IDLE_SECONDS, MARGIN, PRUNE_EVERY, SERVED_TAU, GroupQueues, Row
 
 INTERVAL = 0.05
 

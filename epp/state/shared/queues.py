@@ -1,10 +1,10 @@
 """Flow-control demand every epp process of a group shares: cluster-wide bands and fairness.
 
 Every sync tick a process writes its flow-control rows (:meth:`GroupQueues.export
-<epp.admission.group.GroupQueues.export>`: per pool key, priority band and fairness id, the
+<epp.state.group_queues.GroupQueues.export>`: per pool key, priority band and fairness id, the
 requests it holds and its dispatches so far) to its own key ``{p}:queue:<id>`` with a TTL,
 reads the other members' keys and hands them to :meth:`GroupQueues.apply
-<epp.admission.group.GroupQueues.apply>`. A process that dies stops renewing its key and its
+<epp.state.group_queues.GroupQueues.apply>`. A process that dies stops renewing its key and its
 demand vanishes with the TTL (its held requests failed with it).
 
 One JSON array per process (``[[key, priority, flow, queued, dispatched], ...]``): fairness ids
@@ -18,7 +18,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from epp.admission.group import Row
+from epp.state.group_queues import Row
 
 log = logging.getLogger(__name__)
 
