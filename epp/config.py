@@ -21,7 +21,7 @@ Shape (every section optional except ``models`` and ``pools``)::
                api_keys: {KEY: {tenant, objective}}, engine_priority}
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, capacity, ttl,
-                bands: {PRIORITY: {capacity, ttl}}}
+                bands: {PRIORITY: {capacity, ttl}}, scope: group|local}
     scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
     store:    {backend: memory|redis, redis_url, key_prefix}
     health:   {enabled, consecutive_failures, error_rate, window_seconds, min_requests, ...}
@@ -216,16 +216,21 @@ class SchedulingConfig:
 
 
 AdmissionMode = Literal["off", "shed", "queue"]
+AdmissionScope = Literal["group", "local"]
 
 
 @dataclass(frozen=True, slots=True)
 class FlowControl:
     """What happens when a pool is saturated (docs/admission.md): ``off`` routes anyway,
     ``shed`` refuses sheddable (priority < 0) work with 429 and routes the rest, ``queue``
-    holds every request in priority bands until the pool has room."""
+    holds every request in priority bands until the pool has room. ``scope``: ``group``
+    orders dispatch over the queues of every epp sharing Redis (bands and fairness shares hold
+    group-wide), ``local`` over this process's queue only (the behaviour before, kept to
+    compare)."""
 
     mode: AdmissionMode = "shed"
     limits: QueueLimits = field(default_factory=QueueLimits)
+    scope: AdmissionScope = "group"
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,6 +734,7 @@ def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:
         "capacity",
         "ttl",
         "bands",
+        "scope",
     )
     # Metrics are stale after a few missed scrapes, whatever the interval.
     d = SaturationDetector(stale_seconds=max(DEFAULT_STALE_SECONDS, 4 * scrape_interval))
@@ -819,6 +825,7 @@ def _host_port(node: _Node) -> str | None:
 
 
 _MODES = ("off", "shed", "queue")
+_SCOPES = ("group", "local")
 
 
 def _flow_control(node: _Node) -> FlowControl:
@@ -844,7 +851,15 @@ def _flow_control(node: _Node) -> FlowControl:
         )
     # The whole queue holds as much as its bands together (at least llm-d's 5,000).
     total = max(d.limits.capacity, default.capacity, sum(b.capacity for b in bands.values()))
-    return FlowControl(cast(AdmissionMode, mode), QueueLimits(total, default, bands))
+    scope = node.get("scope", str, d.scope)
+    if scope not in _SCOPES:
+        node.at("scope").report(f"must be one of {', '.join(_SCOPES)}, got {scope!r}")
+        scope = d.scope
+    return FlowControl(
+        cast(AdmissionMode, mode),
+        QueueLimits(total, default, bands),
+        cast(AdmissionScope, scope),
+    )
 
 
 def _store(node: _Node) -> StoreConfig:

@@ -345,3 +345,15 @@ POOL_SATURATION = Gauge(
     "1 when every candidate endpoint of the pool (model) was full at the last check, else 0.",
     ["inference_pool"],
 )
+FLOW_GROUP = Gauge(
+    "epp_flow_control_group",
+    "1 while this process exchanges flow-control queues with the other epp processes "
+    "through Redis (dispatch then follows the group's order, unless admission.scope is "
+    "local); 0 while it orders only its own queue (no Redis, or Redis down).",
+)
+FLOW_YIELDS = Counter(
+    "epp_flow_control_yields_total",
+    "Times this process left a freed slot to work waiting in another epp process (a higher "
+    "priority band, or a fairness id the group has served less), per pool (model).",
+    ["inference_pool"],
+)

@@ -63,7 +63,7 @@ class Router:
         # Discovered endpoints Envoy may not have resolved yet (set before the config below).
         self.settling = Settling()
         # Holds requests while their pool is saturated (admission mode ``queue``).
-        self.flow = FlowController(QueueLimits(), self.pool_saturated)
+        self.flow = FlowController(QueueLimits(), self.pool_saturated, group=fleet.queues)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
@@ -100,6 +100,7 @@ class Router:
         self.demand.forget(set(config.pools))
         self._config = config
         self.flow.limits = config.flow_control.limits
+        self.flow.use_group = config.flow_control.scope == "group"
 
     @property
     def profile(self) -> Profile:
@@ -133,15 +134,34 @@ class Router:
         """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;
         ``sheddable``: with the share reserved for priority >= 0 counted as taken)."""
         snapshot = self.fleet.store.snapshot()
+        now = time.time()
         candidates = [
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a])
             for a in self._candidates.get(model, ())
         ]
+        # Endpoints passive health ejected get no work (the health filter), so their room is
+        # no room: counted free, they let the dispatcher release the whole queue onto the
+        # endpoints left. Unless all are ejected: then the filter keeps them all, and so do we.
+        health = self.fleet.health
+        candidates = [c for c in candidates if health.admits(c.address, now)] or candidates
         saturated = self._config.admission.saturated(
-            candidates, time.time(), self.fleet.inflight.load, sheddable
+            candidates, now, self.fleet.inflight.load, sheddable
         )
         POOL_SATURATION.labels(model).set(float(saturated))
         return saturated
+
+    def _with_room(
+        self, candidates: list[EndpointState], sheddable: bool, now: float
+    ) -> list[EndpointState]:
+        """The candidates that are not full, or all of them if every one is.
+
+        Flow control releases a request because some candidate has room; scoring alone (prefix
+        affinity above all) would still pick a full one, the pool would still have room, and
+        the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
+        Dispatch)."""
+        full = self._config.admission.endpoint_full
+        load = self.fleet.inflight.load
+        return [c for c in candidates if not full(c, now, load(c.address), sheddable)] or candidates
 
     def spill_target(self, request: InferenceRequest) -> str | None:
         """The overflow pool ``request`` goes to instead of its saturated home pool, or None
@@ -211,6 +231,8 @@ class Router:
         if config.flow_control.mode != "queue":  # else counted by admit
             self._arrived(addresses)
         cycle = Cycle(snapshot, self.fleet, self._capacities(config))
+        if config.flow_control.mode == "queue":
+            candidates = self._with_room(candidates, request.priority < 0, cycle.now)
         target = self._target(request, config)
         if target is not None:
             cycle.put(LATENCY_TARGET, target)

@@ -8,8 +8,13 @@ It releases one request at a time and yields, so the released request routes (an
 flight) before saturation is checked again: holding never starves the fleet, and never floods it.
 
 A client that goes away cancels its stream's coroutine: its entry leaves the queue at once and it
-is never routed. The queue is per process: several epps each keep their own (cluster-wide bands
-and fairness are future work, see docs/admission.md).
+is never routed.
+
+The queue is per process, its order group-wide: with a :class:`~epp.state.group_queues.GroupQueues`
+view of the other epps' queues (exchanged through Redis in the background), the dispatcher
+picks the flow the group has served least and yields a freed slot, for at most the view's
+``hold`` time, to a higher band or an under-served flow waiting in another process. With no
+fresh view (memory store, Redis down) it orders its own queue alone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from epp.admission.flow_queue import Dropped, FlowQueue, QueueLimits
 from epp.errors import RequestError
 from epp.observability import FLOW_DROPPED, FLOW_QUEUE_DURATION, FLOW_QUEUE_SIZE
+from epp.state.group_queues import GroupQueues
 
 # How often a non-empty queue re-checks saturation without a completion to wake it (scraped
 # metrics change between completions too).
@@ -39,10 +45,15 @@ class FlowController:
         limits: QueueLimits,
         saturated: Callable[[str, bool], bool],
         clock: Callable[[], float] = time.monotonic,
+        group: GroupQueues | None = None,
     ) -> None:
         self._limits = limits
         self._saturated = saturated
         self._clock = clock
+        # The group's view (its ``now`` is this clock's); None, ``use_group`` off or a stale
+        # view: local order.
+        self._group = group
+        self.use_group = True
         self._queues: dict[str, FlowQueue[_Waiter]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -67,10 +78,16 @@ class FlowController:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = FlowQueue(self._limits)
-        # Nobody waiting at this priority or above, and room in the pool for it: no queueing
-        # at all (the common case; and critical work never waits behind held batch work).
+        # Nobody waiting at this priority or above (here or, with the group's view, in another
+        # process), and room in the pool for it: no queueing at all (the common case; and
+        # critical work never waits behind held batch work).
         head = queue.head_priority()
-        if (head is None or head < priority) and not self._saturated(key, priority < 0):
+        group = self._group if self.use_group else None
+        if (
+            (head is None or head < priority)
+            and not (group is not None and group.waiting(key, priority, self._clock()))
+            and not self._saturated(key, priority < 0)
+        ):
             return
         started = self._clock()
         waiter: _Waiter = asyncio.get_running_loop().create_future()
@@ -82,6 +99,8 @@ class FlowController:
         for d in dropped:  # sheddable entries this arrival displaced
             _refuse(key, d)
         FLOW_QUEUE_SIZE.labels(key, str(priority), flow).inc()
+        if self._group is not None:
+            self._group.queued(key, priority, flow, 1, started)
         self._ensure_running()
         self._wake.set()
         try:
@@ -91,6 +110,8 @@ class FlowController:
             raise
         finally:
             FLOW_QUEUE_SIZE.labels(key, str(priority), flow).dec()
+            if self._group is not None:
+                self._group.queued(key, priority, flow, -1, self._clock())
             FLOW_QUEUE_DURATION.labels(key, str(priority), _outcome(waiter)).observe(
                 self._clock() - started
             )
@@ -118,16 +139,28 @@ class FlowController:
         for key, queue in list(self._queues.items()):
             for d in queue.expire(self._clock()):
                 _refuse(key, d)
-            while (head := queue.head_priority()) is not None and not self._saturated(
-                key, head < 0
-            ):
-                entry = queue.pop(self._clock())
+            group = self._group if self.use_group else None
+            while (head := queue.head_priority()) is not None:
+                if self._saturated(key, head < 0):
+                    if group is not None:
+                        group.no_room(key)
+                    break
+                now = self._clock()
+                flows = queue.flows(head)
+                flow = flows[0] if group is None else group.pick(key, head, flows, now)
+                if flow is None:
+                    break  # yielding this room to another process; re-checked next tick
+                entry = queue.pop(now, flow)
                 if entry is None:
                     break
+                if self._group is not None:
+                    self._group.dispatched(key, entry.priority, entry.flow, now)
                 if not entry.payload.done():
                     entry.payload.set_result(None)
                     # Let the released request route (and count in flight) before re-checking.
                     await asyncio.sleep(0)
+            if not queue and group is not None:
+                group.no_room(key)
 
 
 def _refusal(dropped: Dropped[_Waiter]) -> RequestError:

@@ -101,8 +101,11 @@ class _Band(Generic[T]):
         self.flows.setdefault(entry.flow, deque()).append(entry)
         self.size += 1
 
-    def pop(self) -> Entry[T]:
-        flow, fifo = next(iter(self.flows.items()))
+    def pop(self, flow: str | None = None) -> Entry[T]:
+        """The head of ``flow`` (default: the flow whose turn it is)."""
+        if flow is None:
+            flow = next(iter(self.flows))
+        fifo = self.flows[flow]
         entry = fifo.popleft()
         del self.flows[flow]
         if fifo:
@@ -185,12 +188,19 @@ class FlowQueue(Generic[T]):
         """The band :meth:`pop` would serve next, or None if empty."""
         return max(self._bands, default=None)
 
-    def pop(self, now: float) -> Entry[T] | None:
-        """The next entry to dispatch (highest band, next flow in turn), or None if empty."""
+    def flows(self, priority: int) -> list[str]:
+        """The flows waiting in band ``priority``, in round-robin order (next turn first)."""
+        band = self._bands.get(priority)
+        return [] if band is None else list(band.flows)
+
+    def pop(self, now: float, flow: str | None = None) -> Entry[T] | None:
+        """The next entry to dispatch (highest band, next flow in turn), or None if empty.
+        ``flow`` (waiting in the highest band) overrides the turn: the group's choice
+        (:mod:`epp.state.group_queues`); that flow then goes to the back of the round-robin."""
         for p in sorted(self._bands, reverse=True):
             band = self._bands[p]
             if band.size:
-                entry = band.pop()
+                entry = band.pop(flow)
                 self._size -= 1
                 if not band.size:
                     del self._bands[p]

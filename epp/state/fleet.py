@@ -15,6 +15,7 @@ from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
 from epp.state.backlog import PrefillBacklog
+from epp.state.group_queues import GroupQueues
 from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
 from epp.state.latency import LatencyModel
@@ -38,3 +39,5 @@ class FleetState:
     health: HealthTracker = field(default_factory=HealthTracker)
     # Each endpoint's learned prefill rate, queueing and decode speed (the latency model).
     latency: LatencyModel = field(default_factory=LatencyModel)
+    # Flow control's ledger and the other epp processes' queues (cluster-wide bands, fairness).
+    queues: GroupQueues = field(default_factory=GroupQueues)

@@ -80,6 +80,12 @@ def test_admission_section_is_read_and_validated() -> None:
     assert (config.admission.queue_threshold, config.admission.kv_threshold) == (2, 0.9)
     with pytest.raises(ValueError, match=r"admission\.kv_threshold"):
         parse_config({**base, "admission": {"kv_threshold": 1.5}})
+    assert config.flow_control.scope == "group"
+    local = parse_config({**base, "admission": {"mode": "queue", "scope": "local"}})
+    assert local.flow_control.scope == "local"
+    assert not Router(local, FleetState(MemoryStore())).flow.use_group
+    with pytest.raises(ValueError, match=r"admission\.scope: must be one of group, local"):
+        parse_config({**base, "admission": {"scope": "cluster"}})
 
 
 def test_concurrency_limits_and_the_reserve_for_priority_at_least_zero() -> None:

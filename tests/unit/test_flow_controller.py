@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 from prometheus_client import REGISTRY
 
 from epp.admission.controller import FlowController
 from epp.admission.flow_queue import BandLimits, QueueLimits
-from epp.config import FlowControl
+from epp.config import FlowControl, parse_config
 from epp.errors import RequestError
 from epp.request import InferenceRequest
+from epp.router import Router
+from epp.state.fleet import FleetState
+from epp.state.health import Verdict
+from epp.state.memory import MemoryStore
+from epp.state.snapshot import EndpointMetrics, EndpointState
 from tests.unit.test_stream import make_router
 
 
@@ -134,3 +140,40 @@ async def test_critical_goes_past_held_batch_while_there_is_room_for_it() -> Non
     batch.cancel()
     same.cancel()
     await asyncio.gather(batch, same, return_exceptions=True)
+
+
+async def _fresh_router(admission: dict[str, object]) -> Router:
+    """Two ready endpoints with fresh metrics; 8002 scores better (a shorter queue)."""
+    config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+            "admission": {"mode": "queue", "queue_threshold": 100, **admission},
+        }
+    )
+    store = MemoryStore()
+    for addr, waiting in (("127.0.0.1:8001", 10), ("127.0.0.1:8002", 0)):
+        state = EndpointState(addr, "main", True, EndpointMetrics(waiting=waiting), time.time())
+        await store.put_endpoint(state)
+    return Router(config, FleetState(store))
+
+
+async def test_a_released_request_goes_to_an_endpoint_with_room() -> None:
+    """The pool has room (8001); scoring prefers 8002, which is full: routing must not send
+    it there, or the dispatcher would see room forever and flood 8002 with the queue."""
+    router = await _fresh_router({"max_requests": 1})
+    router.fleet.inflight.add("127.0.0.1:8002", 10)
+    assert not router.pool_saturated("tiny")
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hi")
+    decision, _ = router.route(request)
+    assert decision.endpoints[0].address == "127.0.0.1:8001"
+    assert router.pool_saturated("tiny")
+
+
+async def test_an_ejected_endpoint_has_no_room() -> None:
+    """Passive health keeps requests off an ejected endpoint, so its free slots are none."""
+    router = await _fresh_router({"max_requests": 1})
+    router.fleet.inflight.add("127.0.0.1:8002", 10)
+    ejected = Verdict("127.0.0.1:8001", "main", time.time() + 60, 1, "test")
+    router.fleet.health.apply([ejected])
+    assert router.pool_saturated("tiny")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -161,3 +162,24 @@ async def test_latency_evidence_is_summed_across_processes(group: Group) -> None
     rate = ours["prefill_tokens_per_second"]
     assert theirs["prefill_tokens_per_second"] == pytest.approx(rate, rel=0.01)
     assert theirs["ttft_samples"] == 0, "b learned nothing itself: the evidence is a's"
+
+
+async def test_ticks_that_share_latency_evidence_share_everything_else_too(
+    group: Group, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The latency writes' replies once took the place of the in-flight reads: every tick
+    that shared latency evidence failed, and the process fell back to local counts."""
+    caplog.set_level(logging.INFO, logger="epp.state.shared.sync")
+    (fa, a), (fb, _) = await group(), await group()
+    features = (1.0, 2.0, 0.0, 0.0)
+    for i in range(20):
+        fa.latency.observe_ttft(E1, Basis(features, 0.2), 0.5, time.time() - 1 + i / 100)
+        fb.latency.observe_ttft(E2, Basis(features, 0.2), 0.5, time.time() - 1 + i / 100)
+    fa.inflight.add(E3, 7)
+    await eventually(lambda: fb.inflight.load(E3).requests == 1, what="a's load at b")
+    # Several latency periods: the loads stay shared and no tick fails.
+    ticks = a._ticks
+    await eventually(lambda: a._ticks >= ticks + 2 * round(1.0 / TICK) + 1, within=10)
+    assert not [r for r in caplog.records if "unavailable" in r.message]
+    assert fb.inflight.load(E3).requests == 1
+    assert fb.latency.describe(E1, time.time()) is not None

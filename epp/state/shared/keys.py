@@ -14,6 +14,8 @@ key                             type      written by / lifetime
                                           older than the lease TTL is pruned; key PX lease TTL
 ``{p}:load:<process id>``       hash      endpoint -> "requests tokens" the process has in
                                           flight; PX 10 intervals (a dead process's expire)
+``{p}:queue:<process id>``      string    JSON rows of the process's flow-control demand
+                                          (:mod:`epp.state.shared.queues`); PX 10 intervals
 ``{p}:latency:<process id>``    hash      endpoint -> JSON of the process's own latency
                                           evidence (:mod:`epp.state.latency`), rewritten
                                           every second; PX 10 s
@@ -41,6 +43,9 @@ class Keys:
 
     def load(self, member: str) -> str:
         return f"{self.prefix}:load:{member}"
+
+    def queue(self, member: str) -> str:
+        return f"{self.prefix}:queue:{member}"
 
     def latency(self, member: str) -> str:
         return f"{self.prefix}:latency:{member}"

@@ -1,8 +1,9 @@
 """The background loop that makes a group of epp processes act as one picker.
 
 Every scrape interval one pipeline (one round trip) renews this process's scrape leases and
-group membership (:mod:`epp.state.shared.lease`), publishes its in-flight counts and reads the
-other members' (:mod:`epp.state.shared.loads`). What picks teach the prefix index and the
+group membership (:mod:`epp.state.shared.lease`), publishes its in-flight counts and its
+flow-control demand and reads the other members' (:mod:`epp.state.shared.loads`,
+:mod:`epp.state.shared.queues`). What picks teach the prefix index and the
 session table, and passive health's ejections and readmissions, travel separately, within
 milliseconds (:mod:`epp.state.shared.picks`). Endpoint states
 themselves are shared by the state store (:class:`~epp.state.redis_store.RedisStore`), which
@@ -10,8 +11,9 @@ this loop does not touch.
 
 Redis is an accelerator of agreement, not a dependency of availability: when a tick fails the
 process scrapes every endpoint itself, counts only its own in-flight work, keeps its picks in
-the outbox and routes on, logging once; the first tick that succeeds again takes up leases,
-republishes counts and ships the outbox (also logged once).
+the outbox and routes on, and flow control orders only its own queue (``epp_flow_control_group``
+0), logging once; the first tick that succeeds again takes up leases, republishes counts, ships
+the outbox and resumes group-wide flow control (also logged once).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from epp.observability import SHARED_INFLIGHT, SHARED_MEMBERS
+from epp.observability import FLOW_GROUP, SHARED_INFLIGHT, SHARED_MEMBERS
 from epp.prefix.approximate import Insertion
 from epp.state.fleet import FleetState
 from epp.state.health import Verdict
@@ -39,6 +41,8 @@ from epp.state.shared.keys import Keys
 from epp.state.shared.lease import Leases
 from epp.state.shared.loads import encode, total
 from epp.state.shared.picks import Channel, PickStream
+from epp.state.shared.queues import decode as decode_queue
+from epp.state.shared.queues import encode as encode_queue
 from epp.state.shared.sessions import Binding, SharedSessionTable
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,8 @@ class SharedState:
         self.leases = Leases(self.keys, self.me, LEASE_INTERVALS * interval)
         self._inflight = fleet.inflight
         self._latency = fleet.latency
+        self._queues = fleet.queues
+        self._queues.set_interval(interval)
         self._ticks = 0
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
@@ -125,6 +131,7 @@ class SharedState:
         self._interval = interval
         self.leases.set_ttl(LEASE_INTERVALS * interval)
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
+        self._queues.set_interval(interval)
         self._picks.set_interval(interval)
         self._retimed.set()
 
@@ -159,6 +166,7 @@ class SharedState:
                 async with self._client.pipeline(transaction=False) as pipe:
                     self.leases.queue_release(pipe)
                     pipe.delete(self.keys.load(self.me))
+                    pipe.delete(self.keys.queue(self.me))
                     pipe.delete(self.keys.latency(self.me))
                     await pipe.execute()
         except Exception as exc:  # best effort: the TTLs clean up anyway
@@ -198,48 +206,65 @@ class SharedState:
         latency = self._ticks % max(1, round(LATENCY_PERIOD_S / self._interval)) == 0
         self._ticks += 1
         async with self._client.pipeline(transaction=False) as pipe:
+            # Writes first, then one read per other member and kind: the replies of the reads
+            # are the tail of the results, whatever the writes were.
             order = self.leases.queue(pipe)
             if fields:
                 pipe.hset(own, mapping=fields)
                 pipe.pexpire(own, self._load_ttl_ms)
+            # Always written (an empty list too): the others must see a queue that drained.
+            rows = encode_queue(self._queues.export(time.monotonic()))
+            pipe.set(self.keys.queue(self.me), rows, px=self._load_ttl_ms)
+            if latency:
+                self._write_latency(pipe)
             for member in others:
                 pipe.hgetall(self.keys.load(member))
+            for member in others:
+                pipe.get(self.keys.queue(member))
             if latency:
-                self._queue_latency(pipe, others)
+                for member in others:
+                    pipe.hgetall(self.keys.latency(member))
             results = await pipe.execute()
         self._members = self.leases.apply(order, results[0])
+        n = len(others)
+        tail = results[len(results) - n * (3 if latency else 2) :]
+        loads, queues, latencies = tail[:n], tail[n : 2 * n], tail[2 * n :]
         if latency:
-            self._latency.apply_remote(results[len(results) - len(others) :])
-            results = results[: len(results) - len(others)]
-        remote = total(results[len(results) - len(others) :])
+            self._latency.apply_remote(latencies)
+        self._queues.apply(
+            {m: decode_queue(raw) for m, raw in zip(others, queues, strict=True)},
+            time.monotonic(),
+        )
+        remote = total(loads)
         self._inflight.remote = remote
         SHARED_MEMBERS.set(len(self._members))
         for address in {*local, *remote}:
-            for origin, loads in (("local", local), ("remote", remote)):
-                load = loads.get(address)
+            for origin, loads_of in (("local", local), ("remote", remote)):
+                load = loads_of.get(address)
                 SHARED_INFLIGHT.labels(address, origin).set(load.requests if load else 0)
 
-    def _queue_latency(self, pipe: Any, others: Sequence[str]) -> None:
-        """Write this process's latency evidence and read the others' (last in the pipeline,
-        one reply per other member)."""
+    def _write_latency(self, pipe: Any) -> None:
+        """Write this process's latency evidence (the others' is read with the other reads)."""
         exported = self._latency.export(time.time())
         own = self.keys.latency(self.me)
         if exported:
             pipe.hset(own, mapping=dict(exported))
             pipe.pexpire(own, round(LATENCY_TTL_S * 1000))
-        for member in others:
-            pipe.hgetall(self.keys.latency(member))
 
     def _set_up(self, up: bool, exc: Exception | None = None) -> None:
         if not up:
             # Local-only from now on: nothing confirms leases or other processes' counts.
             self.leases.suspend()
             self._inflight.remote = {}
+            self._queues.lose()
             self._members = []
             SHARED_MEMBERS.set(1)
         if up == self._up:
             return
+        FLOW_GROUP.set(1 if up else 0)
         if up:
+            if self._up is False:
+                log.info("flow control: ordering dispatch with the group's queues again")
             log.info(
                 "%s: %d epp processes share state, this one scrapes %d endpoints",
                 "shared state resumed" if self._up is False else "shared state connected",
@@ -253,5 +278,9 @@ class SharedState:
                 "shared state unavailable (%s): scraping every endpoint from this process and "
                 "routing on local counts until redis answers",
                 str(exc) or type(exc).__name__,
+            )
+            log.warning(
+                "flow control: no view of the other epp processes' queues; priority bands and "
+                "fairness shares hold for this process only until redis answers"
             )
         self._up = up
