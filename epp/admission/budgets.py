@@ -13,10 +13,12 @@ tenant's budget. The group's window lives in Redis and counts every slice grante
 charge made after the fact); a process asks for a slice when its balance runs low, spends it
 locally, and returns what it did not spend after :data:`SLICE_SECONDS`. A grant never takes the
 group's window past the limit, so what the group admits stays within the limit; slices are
-small (at most :data:`SLICE_SHARE` of the limit per process), so budget stranded in other
-processes' balances costs at most that share of the limit. A tenant the process holds no slice
-for yet is admitted against its share of what the group had left at the last sync
-(``(limit - used) / processes``), charged after the fact, so a first request never waits.
+small (at most :data:`SLICE_SHARE` of the limit per process, or one request's worth), so budget
+stranded in other processes' balances costs at most that share of the limit. A request that
+finds no slice big enough may still be admitted and owed (charged at the next sync), up to one
+slice, while the group's window had room at the last sync for every process to do so twice over
+(the others' debts are not visible yet): a first request never waits for a lease, and near the
+limit only leased slices are spent.
 
 Tokens: a request is charged its expected tokens at admission (prompt tokens plus the output it
 may generate); when its response's usage arrives, the difference to the real prompt plus
@@ -309,15 +311,26 @@ class Budgets:
         assert account.group is not None
         return account.group.total(now) - account.balance + account.pending()
 
+    def _slice_cap(self, account: Account, limit: int) -> int:
+        """The largest slice leased (and debt run up between two syncs) for ``account``."""
+        return max(account.largest, math.ceil(limit * SLICE_SHARE / max(1, self.members)))
+
     def _may_spend(self, account: Account, limit: int, cost: int, now: float) -> bool:
-        if not self.shared or account.group is None:
+        if not self.shared:
             # Local mode: this process's share, whatever the others do.
             return account.spent.total(now) + cost <= self._share(limit)
         if account.balance >= cost:
             return True
-        # No (big enough) slice: the share of what the group had left at the last sync.
-        left = limit - (account.group.total(now) + account.pending())
-        return account.pending() + cost - account.balance <= left / max(1, self.members)
+        # No slice big enough: spend now and owe it (charged at the next sync), up to one
+        # slice, and only while the group's window (at the last sync) has room for every
+        # process to do so twice over: the others' debts this process cannot see yet. Near
+        # the limit only leased slices are spent, and grants never pass the limit.
+        cap = self._slice_cap(account, limit)
+        debt = account.pending() + cost - account.balance
+        if account.group is None:  # a tenant new to this process: no view of the group yet
+            return debt <= cap
+        left = limit - account.group.total(now) - account.pending()
+        return debt <= cap and left - cost >= 2 * max(1, self.members) * cap
 
     def _spend(self, account: Account, cost: int, now: float) -> None:
         account.spent.add(now, cost)
@@ -389,9 +402,12 @@ class Budgets:
                 account.balance = 0
             if account.balance < 0:  # only after a limit change
                 account.balance = 0
-            cap = max(account.largest, math.ceil(limit * SLICE_SHARE / max(1, self.members)))
-            want = min(cap, max(account.largest, 2 * account.demand))
+            # Twice the demand since the last sync, at least one request's worth while the
+            # tenant is active (spent in the window); idle tenants hold nothing.
             active = account.demand or account.spent.total(now) > 0
+            want = min(self._slice_cap(account, limit), max(account.largest, 2 * account.demand))
+            if not active:
+                want = 0
             account.demand = 0
             charges = tuple(
                 (now - at, amount) for at, amount in account.charges if now - at < window
