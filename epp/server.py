@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
+from epp.admission.budget_sync import BudgetSync
 from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
 from epp.discovery import Discovery, DiscoveryOptions
 from epp.extproc.health import Health
@@ -38,7 +39,6 @@ from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
 from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
-from epp.state.shared.budgets import BudgetSync
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LEASE_INTERVALS, SharedState

@@ -1,7 +1,7 @@
 """Tenant budgets: requests and tokens per sliding minute, per fairness id (tenant).
 
 Pure bookkeeping, no I/O: the clock is passed in, so windows, leases and the Redis-down cap are
-unit-tested with a fake one. :mod:`epp.state.shared.budgets` ships what this ledger records to
+unit-tested with a fake one. :mod:`epp.admission.budget_sync` ships what this ledger records to
 Redis and brings back leases and the group's windows; the router charges and refunds.
 
 Windows are bucketed: :data:`BUCKETS` buckets of ``window / BUCKETS`` seconds, and a total
@@ -10,15 +10,16 @@ window (a request admitted now still counts until a full window has passed; neve
 
 Cluster-wide without a network wait per request: each process spends **leased slices** of a
 tenant's budget. The group's window lives in Redis and counts every slice granted (and every
-charge made after the fact); a process asks for a slice when its balance runs low, spends it
-locally, and returns what it did not spend after :data:`SLICE_SECONDS`. A grant never takes the
-group's window past the limit, so what the group admits stays within the limit; slices are
-small (at most :data:`SLICE_SHARE` of the limit per process, or one request's worth), so budget
-stranded in other processes' balances costs at most that share of the limit. A request that
-finds no slice big enough may still be admitted and owed (charged at the next sync), up to one
-slice, while the group's window had room at the last sync for every process to do so twice over
-(the others' debts are not visible yet): a first request never waits for a lease, and near the
-limit only leased slices are spent.
+charge made after the fact); a process asks for a slice of twice its demand since the last sync
+(at least one request's worth), spends it locally, and returns what it did not spend after
+:data:`SLICE_SECONDS`. A grant never takes the group's window past the limit, so what the group
+admits stays within it; and a grant is at most ``1 / (SLICE_SPLIT x processes)`` of what is left
+(or one request's worth), so a burst is served at once while the window has room, and near the
+limit the budget stranded in other processes' unspent slices is a small share of the little
+that is left. A request that finds no slice big enough may still be admitted and owed (charged
+at the next sync), up to such a slice, while the group's window had room at the last sync for
+every process to do so twice over (the others' debts are not visible yet): a first request
+never waits for a lease, and near the limit only leased slices are spent.
 
 Tokens: a request is charged its expected tokens at admission (prompt tokens plus the output it
 may generate); when its response's usage arrives, the difference to the real prompt plus
@@ -46,9 +47,9 @@ KINDS: tuple[Kind, ...] = ("requests", "tokens")
 BUCKETS = 60
 # A slice not spent within this many seconds goes back to the group.
 SLICE_SECONDS = 1.0
-# The largest slice a process leases, as a share of the limit over the processes of the group:
-# what other processes may hold unspent while one is refused.
-SLICE_SHARE = 0.02
+# A slice is at most what is left of the window over SLICE_SPLIT x processes: what the others
+# may hold unspent while one is refused stays a fraction of what is left.
+SLICE_SPLIT = 2
 DROPPED_REASON = "rejected-budget"
 _HEADER_NAMES: Mapping[Kind, tuple[str, str, str]] = {
     kind: (
@@ -220,7 +221,9 @@ class Ask:
     tenant: str
     kind: Kind
     limit: int
-    slice: int
+    # The slice wanted, and the least worth granting (one request's worth).
+    want: int
+    least: int
     # (seconds ago, amount)
     charges: tuple[tuple[float, int], ...]
 
@@ -311,26 +314,23 @@ class Budgets:
         assert account.group is not None
         return account.group.total(now) - account.balance + account.pending()
 
-    def _slice_cap(self, account: Account, limit: int) -> int:
-        """The largest slice leased (and debt run up between two syncs) for ``account``."""
-        return max(account.largest, math.ceil(limit * SLICE_SHARE / max(1, self.members)))
-
     def _may_spend(self, account: Account, limit: int, cost: int, now: float) -> bool:
         if not self.shared:
             # Local mode: this process's share, whatever the others do.
             return account.spent.total(now) + cost <= self._share(limit)
         if account.balance >= cost:
             return True
-        # No slice big enough: spend now and owe it (charged at the next sync), up to one
-        # slice, and only while the group's window (at the last sync) has room for every
-        # process to do so twice over: the others' debts this process cannot see yet. Near
-        # the limit only leased slices are spent, and grants never pass the limit.
-        cap = self._slice_cap(account, limit)
+        # No slice big enough: spend now and owe it (charged at the next sync), up to a slice,
+        # and only while the group's window (at the last sync) had room for every process to
+        # do so twice over: the others' debts this process cannot see yet. Near the limit only
+        # leased slices are spent, and grants never pass the limit.
+        members = max(1, self.members)
         debt = account.pending() + cost - account.balance
         if account.group is None:  # a tenant new to this process: no view of the group yet
-            return debt <= cap
+            return debt <= max(account.largest, limit / (2 * SLICE_SPLIT * members))
         left = limit - account.group.total(now) - account.pending()
-        return debt <= cap and left - cost >= 2 * max(1, self.members) * cap
+        cap = max(account.largest, left / (2 * SLICE_SPLIT * members))
+        return debt <= cap and left - cost >= 2 * members * cap
 
     def _spend(self, account: Account, cost: int, now: float) -> None:
         account.spent.add(now, cost)
@@ -405,9 +405,7 @@ class Budgets:
             # Twice the demand since the last sync, at least one request's worth while the
             # tenant is active (spent in the window); idle tenants hold nothing.
             active = account.demand or account.spent.total(now) > 0
-            want = min(self._slice_cap(account, limit), max(account.largest, 2 * account.demand))
-            if not active:
-                want = 0
+            want = max(account.largest, 2 * account.demand) if active else 0
             account.demand = 0
             charges = tuple(
                 (now - at, amount) for at, amount in account.charges if now - at < window
@@ -415,7 +413,8 @@ class Budgets:
             account.charges = []
             if not active and not charges and not account.balance:
                 continue
-            out.append(Ask(tenant, kind, limit, max(0, want - account.balance), charges))
+            ask = max(0, want - account.balance)
+            out.append(Ask(tenant, kind, limit, ask, min(ask, account.largest), charges))
         return out
 
     def granted(self, ask: Ask, grant: int, ages: Iterable[tuple[int, float]], now: float) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from epp.admission.budget_sync import BudgetSync
 from epp.admission.budgets import BudgetPolicy, Budgets, Charge, Limits
 from epp.observability import BUDGET_LOCAL_MODE
-from epp.state.shared.budgets import BudgetSync
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
 from tests.helpers import redis_servers
@@ -20,7 +20,9 @@ from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
 WINDOW = 30.0  # long enough that nothing leaves the window during a test
-POLICY = BudgetPolicy({"evals": Limits(rpm=100, tpm=0), "late": Limits(rpm=40)}, window_seconds=WINDOW)
+POLICY = BudgetPolicy(
+    {"evals": Limits(rpm=100, tpm=0), "late": Limits(rpm=40)}, window_seconds=WINDOW
+)
 
 Member = Callable[..., Awaitable[tuple[Budgets, BudgetSync]]]
 
@@ -90,7 +92,8 @@ async def test_with_redis_down_each_process_spends_at_most_its_share(
         admitted = await offer([a, b], "late", 0.5)
         assert admitted == [20, 20]  # 40 / 2 processes each, never the whole 40
         no = a.charge("late", 1, time.monotonic())
-        assert not isinstance(no, Charge) and no is not None
+        assert not isinstance(no, Charge)
+        assert no is not None
         assert no.error().headers["x-ratelimit-remaining-requests"] == "0"
         server.start()
         await eventually(lambda: a.shared and b.shared, what="both share again")

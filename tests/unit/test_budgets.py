@@ -120,14 +120,16 @@ def test_local_mode_spends_at_most_the_share_of_the_processes_last_seen() -> Non
 
 
 def group_sync(b: Budgets, now: float, group: dict[str, float], members: int = 2) -> int:
-    """What the sync does, with ``group`` standing in for Redis: one total per kind (charges
-    applied, grants capped at the limit). Returns the requests slice granted."""
+    """What the sync does, with ``group`` standing in for Redis's script: one total per kind
+    (charges applied, grants capped at the limit and a share of what is left). Returns the
+    requests slice granted."""
     b.shared = True
     b.members = members
     granted = 0
     for ask in b.asks(now):
         group[ask.kind] = group.get(ask.kind, 0) + sum(amount for _, amount in ask.charges)
-        grant = max(0, min(ask.slice, ask.limit - int(group[ask.kind])))
+        left = ask.limit - int(group[ask.kind])
+        grant = max(0, min(ask.want, max(ask.least, left // (2 * members)), left))
         group[ask.kind] += grant
         b.granted(ask, grant, [(0, group[ask.kind])], now)
         if ask.kind == "requests":
@@ -147,9 +149,10 @@ def test_shared_mode_spends_leased_slices_and_returns_them_unspent() -> None:
     for _ in range(5):
         admitted(b.charge("evals", 1, 0.1))
     # Two from the slice, three beyond it: owed to the group (it had plenty left).
-    assert account.balance == 0 and sum(a for _, a in account.charges) == 3
+    assert account.balance == 0
+    assert sum(a for _, a in account.charges) == 3
     group_sync(b, 0.2, group)
-    # The slice grows with the demand, up to 2% of the limit over 2 processes.
+    # The slice grows with the demand (twice the 5 asked since the last sync).
     assert group["requests"] == 3 + 3 + 10
     assert account.balance == 10
     group_sync(b, 0.2 + SLICE_SECONDS, group)

@@ -17,7 +17,7 @@ key                             type      written by / lifetime
 ``{p}:latency:<process id>``    hash      endpoint -> JSON of the process's own latency
                                           evidence (:mod:`epp.state.latency`), rewritten
                                           every second; PX 10 s
-``{p}:budget:<kind>:<tenant>``  hash      tenant budget window (:mod:`epp.state.shared.budgets`):
+``{p}:budget:<kind>:<tenant>``  hash      tenant budget window (:mod:`epp.admission.budget_sync`):
                                           bucket index -> amount granted or charged;
                                           PX window + 2 buckets
 ``{p}:picks``                   stream    prefix-index insertions, session bindings and

@@ -9,8 +9,9 @@ atomically for all of the process's accounts:
 1. records the process in the group's member set (the one scrape leases use) and counts it;
 2. applies the charges (spends made without a slice, usage corrections, refunds, returned
    slices) to the buckets of their time, dropping buckets older than the window;
-3. grants each account the slice it asks for, never past the limit: the grant is
-   ``min(ask, limit - window total)``, recorded in the current bucket;
+3. grants each account the slice it asks for, never past the limit and at most what is left
+   over ``SLICE_SPLIT x members`` (at least one request's worth while that much is left),
+   recorded in the current bucket;
 4. answers the grants and each window's buckets (by age), from which the ledger computes
    remaining budget, ``Retry-After`` and the reset time.
 
@@ -33,7 +34,7 @@ from typing import Any
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from epp.admission.budgets import BUCKETS, Budgets
+from epp.admission.budgets import BUCKETS, SLICE_SPLIT, Budgets
 from epp.observability import BUDGET_LOCAL_MODE, BUDGET_REMAINING, child
 from epp.state.shared.connect import connect
 from epp.state.shared.keys import Keys
@@ -44,23 +45,27 @@ _SOCKET_TIMEOUT = 1.0
 _MAX_BACKOFF = 1.0
 
 # KEYS[1]: the member set; KEYS[2..]: one window hash per account.
-# ARGV: process id, member TTL (ms), bucket width (ms), buckets; then per account: limit,
-# slice asked, number of charges, and that many (age in ms, amount) pairs.
+# ARGV: process id, member TTL (ms), bucket width (ms), buckets, slice split; then per
+# account: limit, slice wanted, least worth granting, number of charges, and that many
+# (age in ms, amount) pairs.
 # Returns {members, {grant, {age in buckets, amount, ...}}, ...}.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local me, ttl, width, buckets = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local split = tonumber(ARGV[5])
 redis.call('ZADD', KEYS[1], now, me)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 redis.call('PEXPIRE', KEYS[1], ttl)
-local out = {redis.call('ZCARD', KEYS[1])}
+local members = redis.call('ZCARD', KEYS[1])
+local out = {members}
 local current = math.floor(now / width)
 local oldest = current - buckets
-local a = 5
+local a = 6
 for k = 2, #KEYS do
-  local limit, ask, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  a = a + 3
+  local limit, want, least = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local n = tonumber(ARGV[a + 3])
+  a = a + 4
   for j = 1, n do
     local index = math.floor((now - tonumber(ARGV[a])) / width)
     if index >= oldest then
@@ -81,7 +86,9 @@ for k = 2, #KEYS do
       ages[#ages + 1] = amount
     end
   end
-  local grant = math.max(0, math.min(ask, limit - total))
+  local left = limit - total
+  local grant = math.min(want, math.max(least, math.floor(left / (split * members))), left)
+  grant = math.max(0, grant)
   if grant > 0 then
     redis.call('HINCRBY', KEYS[k], current, grant)
     ages[#ages + 1] = 0
@@ -165,9 +172,9 @@ class BudgetSync:
         asks = ledger.asks(now)
         width = ledger.policy.window_seconds / BUCKETS * 1000
         keys = [self._keys.members, *(self._keys.budget(a.kind, a.tenant) for a in asks)]
-        argv: list[Any] = [self._me, self._member_ttl_ms, width, BUCKETS]
+        argv: list[Any] = [self._me, self._member_ttl_ms, width, BUCKETS, SLICE_SPLIT]
         for ask in asks:
-            argv += [ask.limit, ask.slice, len(ask.charges)]
+            argv += [ask.limit, ask.want, ask.least, len(ask.charges)]
             for ago, amount in ask.charges:
                 argv += [max(0, round(ago * 1000)), amount]
         try:

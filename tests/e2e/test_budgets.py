@@ -1,0 +1,111 @@
+"""Tenant budgets end to end: a real Envoy in front of two epp processes sharing the real Redis,
+one tenant's requests reaching both. Together they admit the tenant's limit and no more; every
+429 carries Retry-After, the drop reason and the x-ratelimit-* headers; admitted responses carry
+the headers too (buffered and full-duplex)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from epp.devstack import Stack
+from tests.e2e.client import Reply, completion
+from tests.e2e.conftest import REDIS_URL
+from tests.e2e.fleet import epp_metric
+
+RPM = 40
+TPM = 100_000  # generous: requests run out first, the token headers still show
+WINDOW = 30  # seconds: the whole run falls in one window even on a slow machine
+OFFERED = 2 * RPM
+PACE = 0.1  # seconds between requests: twice the limit offered over 8 s, as a steady stream
+
+
+def budget_stack(tmp: Path, mode: str) -> Stack:
+    return Stack(
+        tmp,
+        replicas=2,
+        mode=mode,  # type: ignore[arg-type]
+        epp_count=2,
+        redis_url=REDIS_URL,
+        sim_args=["--time-scale", "0.02"],
+        config_extra={
+            "store": {"key_prefix": f"budget-{uuid.uuid4().hex[:8]}"},
+            "budgets": {
+                "tenants": {"evals": {"rpm": RPM, "tpm": TPM}},
+                "window_seconds": WINDOW,
+            },
+        },
+    )
+
+
+def both_epps_used(stack: Stack) -> None:
+    """Unbudgeted requests until Envoy has sent one to each epp."""
+    deadline = time.monotonic() + 30
+    while True:
+        picks = [sum(epp_metric(stack, i, "epp_endpoint_picks_total").values()) for i in range(2)]
+        if min(picks) > 0:
+            return
+        assert time.monotonic() < deadline, f"Envoy never used both epps: {picks}"
+        assert completion(stack.url, "warm-up", 1).status == 200
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+def test_two_epps_admit_one_tenants_limit_and_429_with_the_headers(
+    tmp_path: Path, mode: str
+) -> None:
+    with budget_stack(tmp_path, mode) as stack:
+        stack.start()
+        both_epps_used(stack)
+        # Another tenant has no budget: no headers, never refused.
+        other = completion(
+            stack.url, "other tenant", 1, **{"x-gateway-inference-fairness-id": "chat"}
+        )
+        assert other.status == 200
+        assert "x-ratelimit-limit-requests" not in other.headers
+
+        started = time.monotonic()
+
+        def send(i: int) -> Reply:
+            time.sleep(max(0.0, started + i * PACE - time.monotonic()))
+            return completion(
+                stack.url, f"eval {i}", 2, **{"x-gateway-inference-fairness-id": "evals"}
+            )
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(send, range(OFFERED)))
+        assert time.monotonic() - started < WINDOW, "the run outlasted the window"
+
+        ok = [r for r in replies if r.status == 200]
+        refused = [r for r in replies if r.status == 429]
+        assert len(ok) + len(refused) == OFFERED, sorted({r.status for r in replies})
+        # The group admits the limit: never more than 5% over, little stranded in leases.
+        remaining = sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in refused)
+        assert 0.9 * RPM <= len(ok) <= 1.05 * RPM, (len(ok), remaining)
+        for reply in ok:
+            assert reply.headers["x-ratelimit-limit-requests"] == str(RPM)
+            assert reply.headers["x-ratelimit-limit-tokens"] == str(TPM)
+            assert int(reply.headers["x-ratelimit-remaining-requests"]) < RPM
+            assert reply.headers["x-ratelimit-reset-requests"].endswith("s")
+        for reply in refused:
+            assert int(reply.headers["retry-after"]) >= 1
+            assert reply.headers["x-epp-request-dropped-reason"] == "rejected-budget"
+            assert reply.headers["x-ratelimit-limit-requests"] == str(RPM)
+            # What the group had left as this epp last saw it: usually 0; a little when the
+            # refusing epp's slice ran out while the others' unspent slices were still out.
+            assert int(reply.headers["x-ratelimit-remaining-requests"]) <= 0.5 * RPM
+            assert "x-ratelimit-reset-tokens" in reply.headers
+            error = reply.json()["error"]
+            assert error["type"] == "rate_limit_error"
+            assert error["code"] == "rate_limit_exceeded"
+            assert error["param"] == "requests"
+        # Both epps spent from the one budget.
+        admitted = [
+            epp_metric(stack, i, "epp_budget_admitted_total").get('{tenant="evals"}', 0.0)
+            for i in range(2)
+        ]
+        assert min(admitted) > 0, admitted
+        assert sum(admitted) == len(ok)
