@@ -412,6 +412,8 @@ class Budgets:
             )
             account.charges = []
             if not active and not charges and not account.balance:
+                # Idle for a whole window: forgotten (fairness ids are many over time).
+                del self._accounts[(tenant, kind)]
                 continue
             ask = max(0, want - account.balance)
             out.append(Ask(tenant, kind, limit, ask, min(ask, account.largest), charges))

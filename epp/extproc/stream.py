@@ -414,6 +414,9 @@ class StreamHandler:
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.schedule", started, self._profile_attributes(), error.message)
+            if self.charge is not None:  # never ran: its tenant's budget is given back
+                self._router.budgets.refund(self.charge)
+                self.charge = None
             return (self._refuse(error), *after)
         if trace is not None:
             endpoints = [e.address for e in decision.endpoints]
