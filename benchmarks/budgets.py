@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epp.devstack import Mode, Stack
+from epp.request import CHARS_PER_TOKEN
 from tests.e2e.client import Reply, metric_values, request
 from tests.helpers.redis_servers import RedisServer
 
@@ -53,6 +54,8 @@ class Tenant:
     refused_complete: int = 0  # 429s with Retry-After, the reason and the headers
     retry_after: list[int] = field(default_factory=list)
     other: dict[int, int] = field(default_factory=dict)
+    # One request's usage (prompt, completion), measured before the run (tokens-bound tenant).
+    usage: tuple[int, int] = (0, 0)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, reply: Reply) -> None:
@@ -97,8 +100,8 @@ def calibrate(stack: Stack, tenant: Tenant, args: argparse.Namespace) -> None:
     as an unbudgeted tenant)."""
     body = {"model": stack.model, "prompt": tenant.prompt, "max_tokens": tenant.max_tokens}
     usage = request(stack.url, "/v1/completions", body).json()["usage"]
-    per_request = usage["prompt_tokens"] + usage["completion_tokens"]
-    tenant.rate = 2 * tenant.limit / args.seconds / per_request
+    tenant.usage = (usage["prompt_tokens"], usage["completion_tokens"])
+    tenant.rate = 2 * tenant.limit / args.seconds / sum(tenant.usage)
 
 
 def config(args: argparse.Namespace, offered: list[Tenant]) -> dict[str, object]:
@@ -194,8 +197,19 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write docs/budgets-bench.md")
     args = parser.parse_args()
     rows = []
+    notes: list[str] = []
     for mode in args.modes:
         offered, per_epp, took = measure(args, mode)
+        for t in offered:
+            if t.kind == "tokens" and not notes:
+                estimate = len(t.prompt) // CHARS_PER_TOKEN + 1 + t.max_tokens
+                notes.append(
+                    f"Each `tpm-bound` request used {sum(t.usage)} tokens by its usage "
+                    f"({t.usage[0]} prompt + {t.usage[1]} completion); epp charged "
+                    f"{estimate} at admission (the prompt estimated from its characters, plus "
+                    "`max_tokens`) and corrected the charge by the usage when the response "
+                    f"ended, so at most {t.limit // sum(t.usage)} of them fit the budget."
+                )
         for t in offered:
             admitted = t.ok if t.kind == "requests" else t.tokens
             retry = f"{min(t.retry_after)}-{max(t.retry_after)}" if t.retry_after else "-"
@@ -221,6 +235,15 @@ def main() -> None:
         f"tenant offers twice its budget over {args.seconds:g} s (one {args.window:g} s "
         "window), spread by Envoy over both epps. Admitted tokens are the responses' usage "
         "(prompt + completion). How it works: docs/admission.md#tenant-budgets.",
+        "",
+        *notes,
+        "",
+        "Reading: the offered load spends each budget about halfway through the run; from then "
+        "on every request is refused, and `Retry-After` counts down from about half a window "
+        "(when the first admitted requests leave the window) to a second or two at the end. "
+        "Nothing leaves the window during the run, so the admitted totals are what the two "
+        "epps together let through in one window: at most the limit, and short of it by "
+        "less than one request's tokens.",
         "",
         "| body mode | tenant | budget | limit | offered requests | admitted requests "
         "| admitted tokens | admitted / limit | 429 | 429 with Retry-After, reason and "

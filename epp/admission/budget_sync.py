@@ -122,6 +122,7 @@ class BudgetSync:
             retry=Retry(NoBackoff(), 1),
         )
         self._ledger = ledger
+        ledger.grouped = True  # keep what is charged for the group's window
         self._keys = keys
         self._me = me
         self._clock = clock

@@ -237,6 +237,9 @@ class Budgets:
         # Set by the sync: whether the group's window is reachable, and its size.
         self.shared = False
         self.members = 1
+        # Whether a sync ships charges to a group (Redis): alone, nothing is kept for it.
+        self.grouped = False
+        self._pruned_at = 0.0
 
     @property
     def policy(self) -> BudgetPolicy:
@@ -265,6 +268,8 @@ class Budgets:
         limits = self._policy.limits(tenant)
         if not (limits.rpm or limits.tpm):
             return None
+        if now - self._pruned_at >= self._policy.window_seconds:
+            self._prune(now)
         costs: dict[Kind, int] = {"requests": 1, "tokens": tokens}
         for kind in KINDS:
             limit = limits.of(kind)
@@ -303,7 +308,19 @@ class Budgets:
     def _adjust(self, account: Account, at: float, amount: int) -> None:
         if amount:
             account.spent.add(at, amount)
+            self._owe(account, at, amount)
+
+    def _owe(self, account: Account, at: float, amount: int) -> None:
+        """Keep ``amount`` for the group's window (nothing to keep without a group)."""
+        if self.grouped:
             account.charges.append((at, amount))
+
+    def _prune(self, now: float) -> None:
+        """Forget tenants idle for a whole window (fairness ids are many over time)."""
+        self._pruned_at = now
+        for key, account in list(self._accounts.items()):
+            if account.spent.total(now) <= 0 and not account.balance and not account.charges:
+                del self._accounts[key]
 
     def _share(self, limit: int) -> float:
         return limit / max(1, self.members)
@@ -341,7 +358,7 @@ class Budgets:
         else:
             debt = cost
         if debt:
-            account.charges.append((now, debt))
+            self._owe(account, now, debt)
 
     def _retry_after(self, account: Account, limit: int, cost: int, now: float) -> int:
         """Whole seconds until enough of the window frees for ``cost``."""

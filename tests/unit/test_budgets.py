@@ -21,7 +21,9 @@ MINIMAL = {"models": {"m": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127
 
 
 def ledger(rpm: int = 0, tpm: int = 0, tenant: str = "evals") -> Budgets:
-    return Budgets(BudgetPolicy({tenant: Limits(rpm, tpm)}))
+    b = Budgets(BudgetPolicy({tenant: Limits(rpm, tpm)}))
+    b.grouped = True  # as under a sync: what is charged is kept for the group
+    return b
 
 
 def admitted(verdict: Charge | Refusal | None) -> Charge:
@@ -182,6 +184,16 @@ def test_a_changed_limit_applies_at_once_and_a_new_window_starts_afresh() -> Non
     refused(b.charge("evals", 1, 0.0))
     b.policy = BudgetPolicy({"evals": Limits(rpm=3)}, window_seconds=6.0)
     admitted(b.charge("evals", 1, 0.0))
+
+
+def test_alone_nothing_is_kept_for_a_group_and_idle_tenants_are_forgotten() -> None:
+    b = Budgets(BudgetPolicy(default=Limits(rpm=5)))
+    for i in range(100):
+        admitted(b.charge(f"tenant-{i}", 1, 0.0))
+    assert all(not a.charges for a in b.accounts().values())
+    assert len(b.accounts()) == 100
+    admitted(b.charge("late", 1, 100.0))  # a window later: the idle ones are gone
+    assert list(b.accounts()) == [("late", "requests")]
 
 
 def test_duration_reads_like_openais_reset_headers() -> None:
