@@ -17,9 +17,9 @@ admits stays within it; and a grant is at most ``1 / (SLICE_SPLIT x processes)``
 (or one request's worth), so a burst is served at once while the window has room, and near the
 limit the budget stranded in other processes' unspent slices is a small share of the little
 that is left. A request that finds no slice big enough may still be admitted and owed (charged
-at the next sync), up to such a slice, while the group's window had room at the last sync for
-every process to do so twice over (the others' debts are not visible yet): a first request
-never waits for a lease, and near the limit only leased slices are spent.
+at the next sync), up to such a slice, while the group's window had at least :data:`DEBT_ROOM`
+of the budget left at the last sync: far from the limit a burst never waits for a lease, and
+near it only leased slices are spent. A tenant new to this process may owe its first request.
 
 Tokens: a request is charged its expected tokens at admission (prompt tokens plus the output it
 may generate); when its response's usage arrives, the difference to the real prompt plus
@@ -50,6 +50,9 @@ SLICE_SECONDS = 1.0
 # A slice is at most what is left of the window over SLICE_SPLIT x processes: what the others
 # may hold unspent while one is refused stays a fraction of what is left.
 SLICE_SPLIT = 2
+# Spending beyond the slices held (owed to the group) only while this share of the budget was
+# left at the last sync.
+DEBT_ROOM = 0.5
 DROPPED_REASON = "rejected-budget"
 _HEADER_NAMES: Mapping[Kind, tuple[str, str, str]] = {
     kind: (
@@ -276,7 +279,8 @@ class Budgets:
             if not limit:
                 continue
             account = self._account(tenant, kind)
-            account.demand += costs[kind]
+            if self.grouped:  # sizes the next slice asked for
+                account.demand += costs[kind]
             account.largest = max(account.largest, costs[kind])
             if not self._may_spend(account, limit, costs[kind], now):
                 return Refusal(
@@ -319,7 +323,7 @@ class Budgets:
         """Forget tenants idle for a whole window (fairness ids are many over time)."""
         self._pruned_at = now
         for key, account in list(self._accounts.items()):
-            if account.spent.total(now) <= 0 and not account.balance and not account.charges:
+            if _idle(account, now):
                 del self._accounts[key]
 
     def _share(self, limit: int) -> float:
@@ -338,16 +342,16 @@ class Budgets:
         if account.balance >= cost:
             return True
         # No slice big enough: spend now and owe it (charged at the next sync), up to a slice,
-        # and only while the group's window (at the last sync) had room for every process to
-        # do so twice over: the others' debts this process cannot see yet. Near the limit only
-        # leased slices are spent, and grants never pass the limit.
-        members = max(1, self.members)
+        # but only while the group's window had at least DEBT_ROOM of the budget left at the
+        # last sync: what the others took since is not visible here. Near the limit only
+        # leased slices are spent, and grants never pass the limit. A tenant new to this
+        # process (no view of the group yet) may owe one request: its first never waits.
         debt = account.pending() + cost - account.balance
-        if account.group is None:  # a tenant new to this process: no view of the group yet
-            return debt <= max(account.largest, limit / (2 * SLICE_SPLIT * members))
+        if account.group is None:
+            return debt <= account.largest
         left = limit - account.group.total(now) - account.pending()
-        cap = max(account.largest, left / (2 * SLICE_SPLIT * members))
-        return debt <= cap and left - cost >= 2 * members * cap
+        cap = max(account.largest, left / (SLICE_SPLIT * max(1, self.members)))
+        return debt <= cap and left - cost >= DEBT_ROOM * limit
 
     def _spend(self, account: Account, cost: int, now: float) -> None:
         account.spent.add(now, cost)
@@ -417,10 +421,11 @@ class Budgets:
             if account.balance and now - account.leased_at >= SLICE_SECONDS:
                 account.charges.append((account.leased_at, -account.balance))
                 account.balance = 0
-            if account.balance < 0:  # only after a limit change
-                account.balance = 0
+            if _idle(account, now):
+                del self._accounts[(tenant, kind)]
+                continue
             # Twice the demand since the last sync, at least one request's worth while the
-            # tenant is active (spent in the window); idle tenants hold nothing.
+            # tenant is active (spent in the window); an inactive one holds nothing.
             active = account.demand or account.spent.total(now) > 0
             want = max(account.largest, 2 * account.demand) if active else 0
             account.demand = 0
@@ -428,10 +433,6 @@ class Budgets:
                 (now - at, amount) for at, amount in account.charges if now - at < window
             )
             account.charges = []
-            if not active and not charges and not account.balance:
-                # Idle for a whole window: forgotten (fairness ids are many over time).
-                del self._accounts[(tenant, kind)]
-                continue
             ask = max(0, want - account.balance)
             out.append(Ask(tenant, kind, limit, ask, min(ask, account.largest), charges))
         return out
@@ -457,6 +458,17 @@ class Budgets:
             account = self._accounts.get((ask.tenant, ask.kind))
             if account is not None:
                 account.charges.extend((now - ago, amount) for ago, amount in ask.charges)
+
+
+def _idle(account: Account, now: float) -> bool:
+    """Nothing spent in a whole window, nothing held or owed, nothing asked since the last
+    sync: the account can be forgotten (fairness ids are many over time)."""
+    return (
+        not account.demand
+        and account.spent.total(now) <= 0
+        and not account.balance
+        and not account.charges
+    )
 
 
 def duration(seconds: float) -> str:

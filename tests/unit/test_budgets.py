@@ -175,6 +175,30 @@ def test_shared_mode_never_grants_past_the_limit_and_refuses_when_spent() -> Non
     assert no.error().headers["x-ratelimit-remaining-requests"] == "0"
 
 
+def test_a_tenant_new_to_a_process_owes_one_request_until_the_first_sync() -> None:
+    b = ledger(rpm=100)
+    b.shared, b.members = True, 2  # the group may have spent everything: nothing known yet
+    admitted(b.charge("evals", 1, 0.0))
+    no = refused(b.charge("evals", 1, 0.0))
+    assert no.retry_after == 1
+
+
+def test_far_from_the_limit_a_burst_is_owed_near_it_only_slices_are_spent() -> None:
+    b = ledger(rpm=100)
+    group = {"requests": 0.0}
+    admitted(b.charge("evals", 1, 0.0))
+    group_sync(b, 0.0, group)  # a slice of 2; the window is nearly empty
+    for _ in range(2 + 10):  # the slice, then owed: up to 99 / 4 while half is left
+        admitted(b.charge("evals", 1, 0.01))
+    group["requests"] = 60.0  # the others took most of the rest meanwhile
+    group_sync(b, 0.05, group)
+    account = b.accounts()[("evals", "requests")]
+    spendable = account.balance
+    for _ in range(spendable):
+        admitted(b.charge("evals", 1, 0.06))
+    refused(b.charge("evals", 1, 0.06))  # under half left: nothing owed beyond the slice
+
+
 def test_a_changed_limit_applies_at_once_and_a_new_window_starts_afresh() -> None:
     b = ledger(rpm=2)
     admitted(b.charge("evals", 1, 0.0))
