@@ -69,10 +69,12 @@ async def test_two_processes_admit_the_limit_together_and_no_more(member: Member
     admitted = await offer([a, b], "evals", 2.0)
     assert 95 <= sum(admitted) <= 100, admitted
     assert min(admitted) > 10, admitted  # both spent from the one budget
-    # What stranded in slices went back: the group's window shows what was really admitted.
+    # What stranded in slices went back: the group's window shows what was admitted, and at
+    # most the one request's slice the other keeps while its tenant is active.
+    left = 100 - sum(admitted)
     await asyncio.sleep(1.5)
     await eventually(
-        lambda: a.remaining("evals", "requests", time.monotonic())[0] == 100 - sum(admitted),
+        lambda: left - 1 <= a.remaining("evals", "requests", time.monotonic())[0] <= left,
         what="the returned slices show in the group's window",
     )
 
