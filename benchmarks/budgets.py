@@ -8,7 +8,9 @@ completions that Envoy spreads over both epps:
 
 - ``rpm-bound``: ``--rpm`` requests per minute (tokens unlimited), offered ``2 x rpm``;
 - ``tpm-bound``: ``--tpm`` tokens per minute (requests unlimited), offered requests of about
-  ``--tokens-per-request`` prompt + completion tokens, twice ``tpm`` in all.
+  ``--tokens-per-request`` prompt + completion tokens, twice ``tpm`` in all;
+- ``rpm-burst``: like ``rpm-bound``, but the ``2 x rpm`` requests arrive within the first
+  ``--burst`` seconds (the worst case for leased slices: see docs/admission.md).
 
 Admitted tokens are the responses' own usage (prompt + completion tokens as the replica counted
 them), not epp's estimate. Every 429 is checked for Retry-After, the drop reason and the six
@@ -45,6 +47,7 @@ class Tenant:
     name: str
     kind: str  # the budget that binds: requests or tokens
     limit: int
+    seconds: float  # offered for this long from the start of the run
     rate: float  # requests offered per second
     max_tokens: int
     prompt: str
@@ -90,8 +93,11 @@ def tenants(args: argparse.Namespace) -> list[Tenant]:
     # Half prompt, half completion; the rate is set once a request's real usage is known.
     half = args.tokens_per_request // 2
     return [
-        Tenant("rpm-bound", "requests", args.rpm, 2 * args.rpm / args.seconds, 8, "hello"),
-        Tenant("tpm-bound", "tokens", args.tpm, 0.0, half, "budget " * half),
+        Tenant(
+            "rpm-bound", "requests", args.rpm, args.seconds, 2 * args.rpm / args.seconds, 8, "hi"
+        ),
+        Tenant("tpm-bound", "tokens", args.tpm, args.seconds, 0.0, half, "budget " * half),
+        Tenant("rpm-burst", "requests", args.rpm, args.burst, 2 * args.rpm / args.burst, 8, "hi"),
     ]
 
 
@@ -114,10 +120,10 @@ def config(args: argparse.Namespace, offered: list[Tenant]) -> dict[str, object]
     }
 
 
-def offer(stack: Stack, tenant: Tenant, seconds: float, pool: ThreadPoolExecutor) -> None:
+def offer(stack: Stack, tenant: Tenant, pool: ThreadPoolExecutor) -> None:
     """Open loop: request i is sent at start + i / rate, whatever the answers take."""
     started = time.monotonic()
-    count = int(seconds * tenant.rate)
+    count = round(tenant.seconds * tenant.rate)
     body = {"model": stack.model, "prompt": tenant.prompt, "max_tokens": tenant.max_tokens}
     for i in range(count):
         time.sleep(max(0.0, started + i / tenant.rate - time.monotonic()))
@@ -169,9 +175,7 @@ def measure(args: argparse.Namespace, mode: Mode) -> tuple[list[Tenant], list[fl
                 calibrate(stack, tenant, args)
         started = time.monotonic()
         with ThreadPoolExecutor(64) as pool:
-            threads = [
-                threading.Thread(target=offer, args=(stack, t, args.seconds, pool)) for t in offered
-            ]
+            threads = [threading.Thread(target=offer, args=(stack, t, pool)) for t in offered]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -188,6 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--window", type=float, default=60.0, help="budgets.window_seconds")
+    parser.add_argument("--burst", type=float, default=2.0, help="seconds of rpm-burst's offer")
     parser.add_argument("--rpm", type=int, default=300)
     parser.add_argument("--tpm", type=int, default=30_000)
     parser.add_argument("--tokens-per-request", type=int, default=200)
@@ -229,21 +234,23 @@ def main() -> None:
         "# Tenant budgets held by two epps",
         "",
         f"`python -m benchmarks.budgets --seconds {args.seconds:g} --rpm {args.rpm} "
-        f"--tpm {args.tpm} --modes {' '.join(args.modes)}` "
+        f"--tpm {args.tpm} --burst {args.burst:g} --modes {' '.join(args.modes)}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2 shared cores, load average "
         f"{load[0]:.1f}): Envoy, two epps sharing one Redis, two simulated replicas; each "
         f"tenant offers twice its budget over {args.seconds:g} s (one {args.window:g} s "
-        "window), spread by Envoy over both epps. Admitted tokens are the responses' usage "
-        "(prompt + completion). How it works: docs/admission.md#tenant-budgets.",
+        f"window; `rpm-burst` within its first {args.burst:g} s), spread by Envoy over both "
+        "epps. Admitted tokens are the responses' usage (prompt + completion). How it works: "
+        "docs/admission.md#tenant-budgets.",
         "",
         *notes,
         "",
-        "Reading: the offered load spends each budget about halfway through the run; from then "
-        "on every request is refused, and `Retry-After` counts down from about half a window "
-        "(when the first admitted requests leave the window) to a second or two at the end. "
-        "Nothing leaves the window during the run, so the admitted totals are what the two "
-        "epps together let through in one window: at most the limit, and short of it by "
-        "less than one request's tokens.",
+        "Reading: the steady offers (`rpm-bound`, `tpm-bound`) spend each budget about halfway "
+        "through the run; from then on every request is refused, and `Retry-After` counts "
+        "down from about half a window (when the first admitted requests leave the window) to "
+        "a second or two at the end. Nothing leaves the window during the run, so the admitted "
+        "totals are what the two epps together let through in one window. `rpm-burst` is the "
+        "worst case for leased slices: the whole offer arrives within a couple of seconds, "
+        "while slices one epp holds unspent return to the group only after a second.",
         "",
         "| body mode | tenant | budget | limit | offered requests | admitted requests "
         "| admitted tokens | admitted / limit | 429 | 429 with Retry-After, reason and "
