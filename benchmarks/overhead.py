@@ -34,7 +34,7 @@ import yaml
 
 from epp.config import parse_config
 from epp.devstack import Proc, envoy_binary, free_port, http_ok
-from epp.envoy_config import Mode, render
+from epp.envoy_config import Mode, ext_proc_settings, render
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_PAGE = (
@@ -395,14 +395,9 @@ def response_off(rendered: str) -> str:
     """The rendered bootstrap without response processing (epp before issue 16): response
     headers and body skipped; trailers still sent, so the stream lives as long as the response."""
     boot = yaml.safe_load(rendered)
-    for listener in boot["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for network in chain["filters"]:
-                for http in network["typed_config"].get("http_filters", []):
-                    mode = http.get("typed_config", {}).get("processing_mode")
-                    if mode is not None:
-                        mode["response_header_mode"] = "SKIP"
-                        mode["response_body_mode"] = "NONE"
+    for settings in ext_proc_settings(boot):
+        settings["processing_mode"]["response_header_mode"] = "SKIP"
+        settings["processing_mode"]["response_body_mode"] = "NONE"
     return yaml.safe_dump(boot, sort_keys=False)
 
 

@@ -36,6 +36,7 @@ import yaml
 from aiohttp import web
 
 from epp.devstack import Stack, free_port
+from epp.envoy_config import ext_proc_settings
 
 VARIANTS = ("routing", "routing-closed", "none-closed", "observer")
 
@@ -52,7 +53,7 @@ class VariantStack(Stack):
         boot = yaml.safe_load(self.envoy_path.read_text())
         hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         filters = hcm["typed_config"]["http_filters"]
-        ext = filters[1]["typed_config"]
+        (ext,) = ext_proc_settings(boot)
         ext["failure_mode_allow"] = False
         mode = ext["processing_mode"]
         if self.variant == "routing-closed":
@@ -64,7 +65,7 @@ class VariantStack(Stack):
             mode["response_trailer_mode"] = "SKIP"
             observer = json.loads(json.dumps(filters[1]))
             observer["name"] = "epp.observe"
-            cfg = observer["typed_config"]
+            cfg = observer["typed_config"]["extension_config"]["typed_config"]
             cfg["observability_mode"] = True
             cfg["failure_mode_allow"] = True
             cfg["processing_mode"] = {

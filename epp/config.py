@@ -57,7 +57,7 @@ from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.admission.spillover import OverflowPool, Spillover
 from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.metrics.demand import DemandPolicy
-from epp.request import ApiKey, RequestPolicy
+from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
 from epp.scheduling.params import parse_params
 from epp.state.health import HealthConfig
@@ -164,6 +164,18 @@ class RoutingConfig:
     # where the pool gives it no weight; false: 1.0 unless configured. Off by default: on the
     # heterogeneous benchmark it did not beat no weights at all (docs/learned-latency.md).
     learned_capacity: bool = False
+    # Paths that are no inference API but should reach the pool anyway (vLLM's /tokenize,
+    # /detokenize, /v1/rerank...): path prefix -> pool. Routed at the headers to the pool's
+    # least loaded ready replica, body unread; every other unknown path is a 404 from epp.
+    passthrough: Mapping[str, str] = field(default_factory=dict)
+
+    def passthrough_pool(self, path: str) -> str | None:
+        """The pool a request for ``path`` passes through to, or None (longest prefix wins)."""
+        if not self.passthrough:
+            return None
+        path = path.split("?", 1)[0]
+        matches = [p for p in self.passthrough if path == p or path.startswith(p.rstrip("/") + "/")]
+        return self.passthrough[max(matches, key=len)] if matches else None
 
     def explains_to(self, token: str | None) -> bool:
         """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
@@ -293,7 +305,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         scheduling=_scheduling(root.child("scheduling")),
         server=_server(root.child("server")),
         scrape=scrape,
-        routing=_routing(root.child("routing")),
+        routing=_routing(root.child("routing"), pools.endpoints),
         request=_request(root.child("request")),
         autoscaling=_autoscaling(root.child("autoscaling")),
         admission=_admission(admission, scrape.interval),
@@ -614,7 +626,7 @@ def _scrape(node: _Node) -> ScrapeConfig:
     )
 
 
-def _routing(node: _Node) -> RoutingConfig:
+def _routing(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> RoutingConfig:
     node.only(
         "fallbacks",
         "max_body_bytes",
@@ -622,8 +634,19 @@ def _routing(node: _Node) -> RoutingConfig:
         "explain_token",
         "inject_stream_usage",
         "learned_capacity",
+        "passthrough",
     )
     d = RoutingConfig()
+    passthrough: dict[str, str] = {}
+    for prefix, pool in node.child("passthrough").items():
+        if not prefix.startswith("/"):
+            pool.report("must be keyed by a path prefix starting with '/'")
+        elif api_for_path(prefix) is not None:
+            pool.report("is an inference API path: epp routes it by its body, not through")
+        elif not isinstance(pool.value, str) or pool.value not in pools:
+            pool.report(f"must name a pool (one of {', '.join(sorted(pools)) or 'none'})")
+        else:
+            passthrough[prefix] = pool.value
     return RoutingConfig(
         fallbacks=node.integer("fallbacks", d.fallbacks, ge=0),
         max_body_bytes=node.integer("max_body_bytes", d.max_body_bytes, ge=1),
@@ -631,6 +654,7 @@ def _routing(node: _Node) -> RoutingConfig:
         explain_token=node.get("explain_token", str, d.explain_token),
         inject_stream_usage=node.get("inject_stream_usage", bool, d.inject_stream_usage),
         learned_capacity=node.get("learned_capacity", bool, d.learned_capacity),
+        passthrough=passthrough,
     )
 
 
@@ -647,11 +671,15 @@ def _request(node: _Node) -> RequestPolicy:
     d = RequestPolicy()
     objectives: dict[str, int] = {}
     spill: set[str] = set()
+    targets: dict[str, LatencyTarget] = {}
     for name, value in node.child("objectives").items():
         if isinstance(value.value, dict):
-            value.only("priority", "spill")
+            value.only("priority", "spill", "ttft_ms", "tpot_ms")
             if value.get("spill", bool, False):
                 spill.add(name)
+            target = _latency_target(value)
+            if target:
+                targets[name] = target
             value = value.child("priority", required=True)
             if value.value is None:
                 continue  # reported as missing
@@ -678,9 +706,19 @@ def _request(node: _Node) -> RequestPolicy:
         fairness_header=node.get("fairness_header", str, d.fairness_header).lower(),
         objectives=objectives,
         spill_objectives=frozenset(spill),
+        objective_targets=targets,
         trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
         api_keys=api_keys,
     )
+
+
+def _latency_target(node: _Node) -> LatencyTarget:
+    """An objective's ``ttft_ms`` / ``tpot_ms`` (milliseconds > 0; absent: no target)."""
+    ttft, tpot = (
+        None if node.at(key).value is None else node.real(key, 1.0) / 1000
+        for key in ("ttft_ms", "tpot_ms")
+    )
+    return LatencyTarget(ttft, tpot)
 
 
 def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:

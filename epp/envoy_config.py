@@ -26,7 +26,8 @@ The pieces, in request order:
   ``x-gateway-destination-endpoint-served: %UPSTREAM_HOST%`` to the response for epp, which
   the header_mutation filter strips before the client sees it.
 * **ext_proc on the response**: headers and the streamed body go to epp on the same stream
-  (status, served endpoint, token timings, usage; docs/response-path.md).
+  (status, served endpoint, token timings, usage; docs/response-path.md). Envoy's own replies
+  skip it (a matcher on the served-endpoint header), so they are written at once.
 * **cluster ``pool``** is a STATIC cluster holding every endpoint of every pool, balanced by the
   ``override_host`` policy that reads ONLY the metadata (never the header: metadata cannot be
   set by a client). Each attempt (first try, then each retry) consumes the next address of the
@@ -281,11 +282,64 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
         # body unchanged and re-sends Content-Length, so let it through (vLLM then gets a
         # plain body instead of chunked encoding).
         config["allow_content_length_header"] = True
-    return _typed(
+    processor = _typed(
         "envoy.filters.http.ext_proc",
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         **config,
     )
+    # Envoy's own replies (its HTTP codec refusing malformed requests, the buffer limit's 413)
+    # skip ext_proc on the way out. Processing them gained nothing, and while ext_proc held
+    # their headers for epp the codec closed the connection, so the client got no response at
+    # all (docs/hostile-input.md). Upstream responses always carry the served-endpoint header
+    # the route adds; local replies never do, so epp still sees every upstream response.
+    return _typed(
+        "envoy.filters.http.ext_proc",
+        "envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+        extension_config=processor,
+        xds_matcher={
+            "matcher_list": {
+                "matchers": [
+                    {
+                        "predicate": {"not_matcher": _has_header(SERVED)},
+                        "on_match": {
+                            "action": _typed(
+                                "skip-local-replies",
+                                "envoy.extensions.filters.common.matcher.action.v3.SkipFilter",
+                            )
+                        },
+                    }
+                ]
+            }
+        },
+    )
+
+
+def _has_header(name: str) -> dict[str, Any]:
+    """A matcher predicate: the response carries header ``name`` (any value)."""
+    return {
+        "single_predicate": {
+            "input": _typed(
+                "response-header",
+                "envoy.type.matcher.v3.HttpResponseHeaderMatchInput",
+                header_name=name,
+            ),
+            "value_match": {"safe_regex": {"regex": ".*", "google_re2": {}}},
+        }
+    }
+
+
+def ext_proc_settings(boot: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ext_proc filters' own settings (``ExternalProcessor``, inside their matcher wrapper)
+    in a rendered bootstrap, one per listener that has one, for tools and tests that read or
+    adjust them in place."""
+    return [
+        http["typed_config"]["extension_config"]["typed_config"]
+        for listener in boot["static_resources"]["listeners"]
+        for chain in listener["filter_chains"]
+        for network in chain["filters"]
+        for http in network["typed_config"].get("http_filters", [])
+        if http["name"] == "envoy.filters.http.ext_proc"
+    ]
 
 
 def _header_mutation_filter(config: Config) -> dict[str, Any]:
@@ -434,8 +488,8 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
         # 400 for control characters, conflicting framing, a bad request line): no request
         # headers were decoded, which is what tells these apart from epp's own 4xx (checked
         # with Envoy 1.40; the DPE response flag is set only after the reply, too late for a
-        # mapper). docs/hostile-input.md: while ext_proc processes responses, such a reply is
-        # lost before it is written.
+        # mapper). Such replies skip ext_proc (see _ext_proc_filter), or they would be lost
+        # before they are written (docs/hostile-input.md).
         _json_reply(
             {
                 "and_filter": {

@@ -69,6 +69,16 @@ def no_endpoint(model: str, why: str) -> RequestError:
     )
 
 
+def no_pool_endpoint(pool: str, path: str) -> RequestError:
+    return RequestError(
+        503,
+        f"No replica of pool '{pool}' is ready to serve {path} (a pass-through path). "
+        "Retry shortly.",
+        type="service_unavailable_error",
+        code="no_ready_endpoint",
+    )
+
+
 def overloaded(model: str) -> RequestError:
     return RequestError(
         429,
@@ -79,11 +89,16 @@ def overloaded(model: str) -> RequestError:
     )
 
 
-def target_unreachable(model: str, target: float) -> RequestError:
+def target_unreachable(model: str, ttft: float | None, tpot: float | None) -> RequestError:
+    targets = " and ".join(
+        f"{what} within {seconds * 1000:.0f} ms"
+        for what, seconds in (("the first token", ttft), ("each further token", tpot))
+        if seconds is not None
+    )
     return RequestError(
         429,
-        f"No endpoint serving '{model}' is predicted to deliver the first token within the "
-        f"request's {target * 1000:.0f} ms target. Retry later or relax the target.",
+        f"No endpoint serving '{model}' is predicted to deliver {targets}, the request's "
+        "latency target. Retry later or relax the target.",
         type="rate_limit_error",
         code="latency_target_unreachable",
     )
@@ -93,7 +108,8 @@ def unknown_path(method: str, path: str) -> RequestError:
     return RequestError(
         404,
         f"Invalid URL ({method} {path.split('?', 1)[0] or '/'}): epp routes POST /v1/completions, "
-        "/v1/chat/completions, /v1/responses and /v1/embeddings, and answers GET /v1/models.",
+        "/v1/chat/completions, /v1/responses and /v1/embeddings, and answers GET /v1/models; "
+        "other paths reach the replicas only when routing.passthrough names them.",
         code="unknown_url",
     )
 

@@ -303,10 +303,10 @@ def refusal_reason(status: int) -> str:
 
 LATENCY_TARGETS = Counter(
     "epp_latency_target_requests_total",
-    "Requests with a TTFT target (x-llm-d-slo-ttft-ms or the latency-target-filter's "
-    "ttft_ms), by whether their measured TTFT met it; refused ones count as refused "
-    "(docs/learned-latency.md).",
-    ["result"],
+    "Requests with a latency target (x-llm-d-slo-ttft-ms / -tpot-ms, the objective's or the "
+    "latency-target-filter's), per objective and target (ttft, tpot), by whether the measured "
+    "latency met it; refused ones count as refused (docs/learned-latency.md).",
+    ["objective", "target", "result"],
 )
 
 INFO = Gauge(

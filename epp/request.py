@@ -124,6 +124,28 @@ def hashing_text(messages: Sequence[ChatMessage]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class LatencyTarget:
+    """A request's latency targets in seconds: time to first token and time per output token
+    (None: no target of that kind)."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.ttft is not None or self.tpot is not None
+
+    def met(self, ttft: float, tpot: float) -> bool:
+        """Whether a response with this TTFT and TPOT (predicted or measured) meets it."""
+        return (self.ttft is None or ttft <= self.ttft) and (self.tpot is None or tpot <= self.tpot)
+
+    def headroom_used(self, ttft: float, tpot: float) -> float:
+        """The tightest of the targets' fractions used (1: just met), for preferring the
+        endpoint that meets the targets with the least speed to spare."""
+        used = [v / t for v, t in ((ttft, self.ttft), (tpot, self.tpot)) if t is not None]
+        return max(used, default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
     """Who a bearer API key belongs to: its fairness id and (optionally) its objective."""
 
@@ -149,6 +171,8 @@ class RequestPolicy:
     objectives: Mapping[str, int] = field(default_factory=dict)
     # Objectives whose requests may go to an overflow pool (docs/admission.md, spillover).
     spill_objectives: frozenset[str] = frozenset()
+    # Latency targets of objectives that have them (objectives.NAME.ttft_ms / tpot_ms).
+    objective_targets: Mapping[str, LatencyTarget] = field(default_factory=dict)
     trusted_headers: bool = True
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
 

@@ -38,7 +38,7 @@ from epp.observability import (
     SPILLED,
     child,
 )
-from epp.request import InferenceRequest
+from epp.request import InferenceRequest, LatencyTarget
 from epp.scheduling import Cycle, Decision, Profile, build_profile
 from epp.scheduling.filters.latency_target import LatencyTargetFilter
 from epp.scheduling.prefix_data import CACHED_TOKENS
@@ -49,7 +49,7 @@ from epp.state.inflight import Ticket
 from epp.state.latency import Basis, ttft_features
 from epp.state.moves import PickRecord
 from epp.tracing import Tracing
-from epp.wire import SLO_TTFT_HEADER
+from epp.wire import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
 log = logging.getLogger("epp.router")
 
@@ -74,6 +74,8 @@ class Router:
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
         self.tracing: Tracing | None = None
+        # Where ties between idle replicas start for pass-through paths (pass_through).
+        self._rotation = 0
         # The last capacities handed to scorers: (learned, configured, merged).
         self._weights: tuple[Mapping[str, float], Mapping[str, float], Mapping[str, float]] = (
             {},
@@ -91,7 +93,7 @@ class Router:
         self._profile = build_profile(config.scheduling.selected)
         self._default_target = next(
             (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
-            None,
+            LatencyTarget(),
         )
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
@@ -275,7 +277,8 @@ class Router:
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.endpoints and decision.refusal is not None:
             if target is not None:
-                LATENCY_TARGETS.labels("refused").inc()
+                for kind in _kinds(target):
+                    LATENCY_TARGETS.labels(request.objective, kind, "refused").inc()
             raise decision.refusal
         if not decision.endpoints:
             ready = sum(1 for c in candidates if c.ready)
@@ -291,7 +294,7 @@ class Router:
         inflight = self.fleet.inflight
         features = ttft_features(uncached, inflight.load(first.address), first)
         predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
-        basis = Basis(features, predicted, target)
+        basis = Basis(features, predicted, target, request.objective)
         ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         child(PICKS, first.pool, first.address).inc()
         child(REQUESTS, request.model, "routed").inc()
@@ -299,18 +302,52 @@ class Router:
             self._remember(request, decision)
         return decision, ticket
 
-    def _target(self, request: InferenceRequest, config: Config) -> float | None:
-        """The request's TTFT target in seconds: a trusted caller's header, else the
-        profile's default (the latency-target-filter's ``ttft_ms``), else None."""
-        raw = request.headers.get(SLO_TTFT_HEADER) if config.request.trusted_headers else None
-        if raw is not None:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = math.nan
-            if math.isfinite(value) and value > 0:
-                return value / 1000
-        return self._default_target
+    def pass_through(self, pool: str, path: str) -> Ticket:
+        """Count a request for a path that passes through to ``pool`` (``routing.passthrough``)
+        in flight on the pool's least loaded ready replica that passive health admits, or raise
+        a 503 :class:`~epp.errors.RequestError` when there is none. Ties rotate, so idle
+        replicas share such requests instead of the first taking them all."""
+        now = time.time()
+        endpoints = self.fleet.store.snapshot().endpoints
+        health = self.fleet.health
+        ready = [
+            a
+            for a in self._config.pools.get(pool, ())
+            if (state := endpoints.get(a)) is not None and state.ready and health.admits(a, now)
+        ]
+        if not ready:
+            raise errors.no_pool_endpoint(pool, path)
+        load = self.fleet.inflight.load
+        self._rotation = (self._rotation + 1) % len(ready)
+        turn = self._rotation
+        best = min(
+            range(len(ready)), key=lambda i: (load(ready[i]).requests, (i - turn) % len(ready))
+        )
+        address = ready[best]
+        child(PICKS, pool, address).inc()
+        child(REQUESTS, "", "passthrough").inc()
+        return self.fleet.inflight.add(address, 0)
+
+    def _target(self, request: InferenceRequest, config: Config) -> LatencyTarget | None:
+        """The request's latency targets, each kind (TTFT, TPOT) from the first source that
+        sets it: a trusted caller's header, the request's objective, the profile's default
+        (the latency-target-filter's); None when no source sets any."""
+        trusted = config.request.trusted_headers
+        headers = request.headers
+        objective = config.request.objective_targets.get(request.objective, LatencyTarget())
+        default = self._default_target
+        ttft = _first(
+            _header_seconds(headers.get(SLO_TTFT_HEADER)) if trusted else None,
+            objective.ttft,
+            default.ttft,
+        )
+        tpot = _first(
+            _header_seconds(headers.get(SLO_TPOT_HEADER)) if trusted else None,
+            objective.tpot,
+            default.tpot,
+        )
+        target = LatencyTarget(ttft, tpot)
+        return target if target else None
 
     def _capacities(self, config: Config) -> Mapping[str, float]:
         """Endpoint capacities for scorers: configured weights, and where a pool gives none
@@ -338,12 +375,21 @@ class Router:
         if basis is not None:
             seconds = at - pick.picked_at
             self.fleet.latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
-            if basis.target is not None:
-                LATENCY_TARGETS.labels("met" if seconds <= basis.target else "missed").inc()
+            target = basis.target
+            if target is not None and target.ttft is not None:
+                met = "met" if seconds <= target.ttft else "missed"
+                LATENCY_TARGETS.labels(basis.objective, "ttft", met).inc()
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:
         """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
-        if pick.ticket.basis is None or not pick.decoding:
+        basis = pick.ticket.basis
+        if basis is None:
+            return
+        target = basis.target
+        if target is not None and target.tpot is not None:
+            met = "met" if tpot <= target.tpot else "missed"
+            LATENCY_TARGETS.labels(basis.objective, "tpot", met).inc()
+        if not pick.decoding:
             return
         endpoint = pick.ticket.endpoint
         batch = (pick.decoding + self.fleet.inflight.load(endpoint).decoding) / 2
@@ -405,3 +451,23 @@ def _models_body(config: Config) -> bytes:
         for name, spec in sorted(config.models.items())
     ]
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
+
+
+def _header_seconds(raw: str | None) -> float | None:
+    """A latency-target header's milliseconds as seconds; None when absent or not a positive
+    finite number (a bad header is no target, never a refusal)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value / 1000 if math.isfinite(value) and value > 0 else None
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _kinds(target: LatencyTarget) -> list[str]:
+    return [k for k, v in (("ttft", target.ttft), ("tpot", target.tpot)) if v is not None]

@@ -36,6 +36,7 @@ PRIORITY_HEADER = "x-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 # A request's time-to-first-token target in milliseconds (llm-d's name), from trusted callers.
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 # The flow of requests that name no fairness id (GIE's default).
 DEFAULT_FLOW = "default-flow"

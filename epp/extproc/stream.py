@@ -90,6 +90,7 @@ class StreamHandler:
         "_full_duplex",
         "_headers",
         "_observer",
+        "_passing",
         "_request",
         "_response_full_duplex",
         "_router",
@@ -117,6 +118,8 @@ class StreamHandler:
         # The overflow pool the request was spilled to (no replica of ours serves it).
         self._spilled: str | None = None
         self._done = False
+        # A pass-through path (routing.passthrough), routed at the headers.
+        self._passing = False
         # The pick's bookkeeping, run by settle() once the routing answer is out.
         self._deferred: list[Callable[[], None]] = []
         self._request: InferenceRequest | None = None
@@ -170,6 +173,9 @@ class StreamHandler:
         tracing = self._router.tracing
         if tracing is not None:
             self._trace = tracing.begin(self._headers)
+        passthrough = self._router.config.routing.passthrough_pool(self._headers.get(":path", ""))
+        if passthrough is not None:
+            return self._pass_through(passthrough)
         if message.request_headers.end_of_stream:
             self._done = True
             return (self._header_only(),)
@@ -182,6 +188,11 @@ class StreamHandler:
         return (responses.CONTINUE_REQUEST_HEADERS,)
 
     def _on_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
+        if self._passing:
+            # Routed at the headers: the body goes on unread (echoed, in full duplex).
+            if self._full_duplex:
+                return tuple(responses.body_chunks(body.body, body.end_of_stream))
+            return (responses.CONTINUE_REQUEST_BODY,)
         if self._done:
             # Envoy may deliver the end-of-stream chunk twice for ~1 MB bodies: ignore repeats.
             return ()
@@ -473,6 +484,19 @@ class StreamHandler:
             )
         body_out = chunks[0] if rewritten else None
         return (responses.route_in_body("", remove, body=body_out, overflow=overflow), *after)
+
+    def _pass_through(self, pool: str) -> Sequence[Response]:
+        """A path ``routing.passthrough`` sends to ``pool``: no inference request, so no
+        parse, admission or scoring; the least loaded ready replica, chosen at the headers."""
+        self._done = True
+        try:
+            ticket = self._router.pass_through(pool, self._headers.get(":path", ""))
+        except RequestError as error:
+            return (self._refuse(error),)
+        self.pick = PickRecord(ticket)
+        self._passing = True
+        remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
+        return (responses.route_in_headers(ticket.endpoint, remove, None),)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from epp.request import LatencyTarget
 from epp.state.inflight import Load
 from epp.state.snapshot import EndpointState
 
@@ -69,11 +70,12 @@ REFERENCE_TOKENS = 2000.0
 @dataclass(frozen=True, slots=True)
 class Basis:
     """What the model saw when a request was picked: its TTFT features and prediction, and
-    its TTFT target in seconds (None: none)."""
+    its latency targets (None: none) with the objective they came with (attainment metrics)."""
 
     features: tuple[float, ...]
     predicted: float
-    target: float | None = None
+    target: LatencyTarget | None = None
+    objective: str = ""
 
 
 @dataclass(slots=True)

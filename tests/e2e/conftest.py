@@ -23,6 +23,24 @@ def make_stack(tmp: Path, mode: str, store: str, **kwargs: object) -> Stack:
     return Stack(tmp, mode=mode, redis_url=redis_url, config_extra=extra, **kwargs)  # type: ignore[arg-type]
 
 
+BODY_MODES = [
+    pytest.param("buffered", id="buffered"),
+    pytest.param("full-duplex", id="fullduplex"),
+]
+
+
+def serve_stack(
+    tmp_path_factory: pytest.TempPathFactory, name: str, mode: str, **kwargs: object
+) -> Iterator[Stack]:
+    """A started in-memory stack in ``mode`` for a module-scoped fixture to yield from."""
+    s = make_stack(tmp_path_factory.mktemp(f"{name}-{mode}"), mode, "memory", **kwargs)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 VARIANTS = [
     pytest.param(("buffered", "memory"), id="buffered-memory"),
     pytest.param(("full-duplex", "memory"), id="fullduplex-memory"),

@@ -23,7 +23,7 @@ import pytest
 
 from epp.devstack import Stack
 from tests.e2e.client import metric_values, request
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import BODY_MODES, make_stack
 from tests.e2e.replica import OWN_SCORES, TOKENS, TrickleReplica
 
 SERVED = "x-gateway-destination-endpoint-served"
@@ -55,10 +55,7 @@ class Fleet:
         return sum(v for k, v in self.metric(name).items() if all(w in k for w in want))
 
 
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param("buffered", id="buffered"), pytest.param("full-duplex", id="fullduplex")],
-)
+@pytest.fixture(scope="module", params=BODY_MODES)
 def fleet(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from epp.config import parse_config
-from epp.envoy_config import render
+from epp.envoy_config import ext_proc_settings, render
 from epp.request import ApiKey, RequestPolicy, parse_request
 
 
@@ -19,13 +19,8 @@ def test_envoy_message_timeout_outlasts_the_queue_ttl() -> None:
             }
         )
         boot = yaml.safe_load(render(config, message_timeout_ms=2000))
-        hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        (ext_proc,) = [
-            f
-            for f in hcm["typed_config"]["http_filters"]
-            if f["name"] == "envoy.filters.http.ext_proc"
-        ]
-        return str(ext_proc["typed_config"]["message_timeout"])
+        (ext_proc,) = ext_proc_settings(boot)
+        return str(ext_proc["message_timeout"])
 
     assert timeout({}) == "2s"
     # The longest band TTL (40 s) plus the 2 s margin: epp's 503 comes before Envoy's timeout.

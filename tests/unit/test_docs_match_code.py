@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from epp.config import parse_config
-from epp.envoy_config import render
+from epp.envoy_config import ext_proc_settings, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,11 +22,8 @@ def _ext_proc_retry_policy() -> dict[str, Any]:
         }
     )
     boot = yaml.safe_load(render(config))
-    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    (ext_proc,) = [
-        f for f in hcm["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
-    ]
-    policy: dict[str, Any] = ext_proc["typed_config"]["grpc_service"]["retry_policy"]
+    (ext_proc,) = ext_proc_settings(boot)
+    policy: dict[str, Any] = ext_proc["grpc_service"]["retry_policy"]
     return policy
 
 

@@ -38,10 +38,11 @@ from epp.envoy_config import (
     Mode,
     add_subcommand,
     bootstrap,
+    ext_proc_settings,
     render,
     run,
 )
-from epp.wire import CONTROL_HEADERS, DESTINATION, LB_NAMESPACE
+from epp.wire import CONTROL_HEADERS, DESTINATION, LB_NAMESPACE, SERVED
 from tests.helpers.envoy import EnvoyProcess, envoy_binary, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ def test_filter_order_strips_control_headers_before_ext_proc() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_ext_proc_settings(mode: Mode) -> None:
     boot = bootstrap(_config(["127.0.0.1:8001"]), mode=mode, message_timeout_ms=1500)
-    ext = _filters(boot)[1]["typed_config"]
+    (ext,) = ext_proc_settings(boot)
     # Buffered fails open so a dying epp does not cut streaming responses (the pool still
     # refuses unplaced requests); full duplex cannot continue without epp.
     assert ext["failure_mode_allow"] is (mode == "buffered")
@@ -110,6 +111,17 @@ def test_ext_proc_settings(mode: Mode) -> None:
         assert pm["response_body_mode"] == "FULL_DUPLEX_STREAMED"
         assert pm["request_trailer_mode"] == "SEND"
         assert ext["allow_content_length_header"] is True
+
+
+def test_envoys_own_replies_skip_ext_proc() -> None:
+    """Upstream responses (which carry the served-endpoint header the route adds) go through
+    ext_proc; Envoy's local replies skip it, or a codec refusal never reaches the client."""
+    wrapper = _filters(bootstrap(_config(["127.0.0.1:8001"])))[1]["typed_config"]
+    assert wrapper["@type"].endswith("ExtensionWithMatcher")
+    (matcher,) = wrapper["xds_matcher"]["matcher_list"]["matchers"]
+    predicate = matcher["predicate"]["not_matcher"]["single_predicate"]
+    assert predicate["input"]["typed_config"]["header_name"] == SERVED
+    assert matcher["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
 
 
 def test_route_has_no_timeout_and_retries_fallbacks() -> None:

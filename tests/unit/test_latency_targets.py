@@ -7,8 +7,9 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from epp.config import parse_config
+from epp.config import ConfigError, parse_config
 from epp.errors import RequestError
+from epp.request import LatencyTarget
 from epp.router import Router
 from epp.scheduling.filters.latency_target import LatencyTargetFilter, LatencyTargetParams
 from epp.scheduling.scorers.latency import LATENCY_TARGET, PredictedLatencyScorer
@@ -18,23 +19,26 @@ from epp.state.inflight import Load
 from epp.state.latency import Basis, ttft_features
 from epp.state.memory import MemoryStore
 from epp.state.moves import PickRecord
-from epp.wire import SLO_TTFT_HEADER
+from epp.wire import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 from tests.unit.scheduling.common import cycle, ep, req
 
 FAST, SLOW = "127.0.0.1:8001", "127.0.0.1:8002"
 
 
 def teach(fleet: FleetState, now: float) -> None:
-    """FAST prefills 20k tokens/s, SLOW 2k: a 1,000-token cold prompt takes ~0.06 s vs ~0.5 s."""
-    for address, rate in ((FAST, 20_000.0), (SLOW, 2_000.0)):
+    """FAST prefills 20k tokens/s, SLOW 2k: a 1,000-token cold prompt takes ~0.06 s vs ~0.5 s.
+    FAST decodes at 10 ms a token, SLOW at 40 ms."""
+    for address, rate, tpot in ((FAST, 20_000.0, 0.01), (SLOW, 2_000.0, 0.04)):
         for i in range(40):
             uncached = 200.0 + 100 * i
             features = ttft_features(uncached, Load(), ep(address))
             seconds = 0.01 + uncached / rate
-            fleet.latency.observe_ttft(address, Basis(features, 0.0), seconds, now - 5 + i / 10)
+            at = now - 5 + i / 10
+            fleet.latency.observe_ttft(address, Basis(features, 0.0), seconds, at)
+            fleet.latency.observe_tpot(address, 1 + i % 4, tpot, at)
 
 
-def decide(target: float | None, on_miss: str = "best") -> tuple[list[str], list[float]]:
+def decide(target: LatencyTarget | None, on_miss: str = "best") -> tuple[list[str], list[float]]:
     fleet = FleetState()
     teach(fleet, 1000.0)
     c = cycle(fleet)
@@ -49,23 +53,31 @@ def decide(target: float | None, on_miss: str = "best") -> tuple[list[str], list
 
 
 def test_only_endpoints_predicted_to_meet_the_target_remain() -> None:
-    assert decide(0.2)[0] == [FAST]
+    assert decide(LatencyTarget(ttft=0.2))[0] == [FAST]
+    assert decide(LatencyTarget(tpot=0.02))[0] == [FAST]
+    # Both kinds must be met: SLOW makes the loose TTFT target but not the TPOT one.
+    assert decide(LatencyTarget(ttft=1.0, tpot=0.02))[0] == [FAST]
 
 
 def test_a_loose_target_prefers_the_endpoint_that_just_makes_it() -> None:
-    kept, scores = decide(1.0)
-    assert kept == [FAST, SLOW]
-    assert scores[1] > scores[0]  # SLOW wastes less headroom; FAST stays free for tight ones
+    for loose in (LatencyTarget(ttft=1.0), LatencyTarget(tpot=0.05)):
+        kept, scores = decide(loose)
+        assert kept == [FAST, SLOW]
+        assert scores[1] > scores[0]  # SLOW wastes less headroom; FAST stays free
 
 
 def test_missed_everywhere_keeps_all_or_refuses() -> None:
-    assert decide(0.01)[0] == [FAST, SLOW]
-    assert decide(0.01, on_miss="refuse")[0] == []
+    for tight in (LatencyTarget(ttft=0.01), LatencyTarget(tpot=0.001)):
+        assert decide(tight)[0] == [FAST, SLOW]
+        assert decide(tight, on_miss="refuse")[0] == []
     assert decide(None, on_miss="refuse") == ([FAST, SLOW], [1.0, 1.0])
 
 
-def _sample(result: str) -> float:
-    value = REGISTRY.get_sample_value("epp_latency_target_requests_total", {"result": result})
+def _sample(result: str, objective: str = "", target: str = "ttft") -> float:
+    value = REGISTRY.get_sample_value(
+        "epp_latency_target_requests_total",
+        {"objective": objective, "target": target, "result": result},
+    )
     return value or 0.0
 
 
@@ -74,7 +86,13 @@ async def router(trusted: bool = True) -> Router:
         {
             "models": {"tiny": {"pools": ["main"]}},
             "pools": {"main": {"endpoints": [FAST, SLOW]}},
-            "request": {"trusted_headers": trusted},
+            "request": {
+                "trusted_headers": trusted,
+                "objectives": {
+                    "chat": {"priority": 1, "ttft_ms": 300, "tpot_ms": 20},
+                    "batch": -1,
+                },
+            },
             "scheduling": {
                 "profile": "slo",
                 "plugins": [
@@ -108,7 +126,7 @@ async def test_the_header_sets_the_target_and_attainment_is_counted() -> None:
     decision, ticket = r.route(request)
     assert decision.endpoints[0].address == FAST
     assert ticket.basis is not None
-    assert ticket.basis.target == pytest.approx(0.2)
+    assert ticket.basis.target == LatencyTarget(ttft=pytest.approx(0.2))
     met = _sample("met")
     r.first_token(PickRecord(ticket, picked_at=10.0), 10.1)
     assert _sample("met") == met + 1
@@ -124,7 +142,50 @@ async def test_untrusted_callers_get_the_profiles_target() -> None:
     r = await router(trusted=False)
     _, ticket = r.route(req("x" * 4000, model="tiny", headers={SLO_TTFT_HEADER: "5"}))
     assert ticket.basis is not None
-    assert ticket.basis.target == pytest.approx(2.0)
+    assert ticket.basis.target == LatencyTarget(ttft=pytest.approx(2.0))
+
+
+async def test_objectives_set_targets_headers_override_them_kind_by_kind() -> None:
+    r = await router()
+    _, ticket = r.route(req("x" * 4000, model="tiny", objective="chat"))
+    assert ticket.basis is not None
+    assert ticket.basis.target == LatencyTarget(pytest.approx(0.3), pytest.approx(0.02))
+    r.finish(ticket)
+    headers = {SLO_TTFT_HEADER: "150"}
+    _, ticket = r.route(req("x" * 4000, model="tiny", objective="chat", headers=headers))
+    assert ticket.basis is not None
+    assert ticket.basis.target == LatencyTarget(pytest.approx(0.15), pytest.approx(0.02))
+    r.finish(ticket)
+    # An objective without targets gets the profile's default; a bad header is ignored.
+    headers = {SLO_TPOT_HEADER: "fast please"}
+    _, ticket = r.route(req("x" * 4000, model="tiny", objective="batch", headers=headers))
+    assert ticket.basis is not None
+    assert ticket.basis.target == LatencyTarget(ttft=pytest.approx(2.0))
+
+
+async def test_tpot_attainment_is_counted_per_objective() -> None:
+    r = await router()
+    _, ticket = r.route(req("x" * 4000, model="tiny", objective="chat"))
+    met, missed = _sample("met", "chat", "tpot"), _sample("missed", "chat", "tpot")
+    r.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.015)
+    r.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.025)
+    assert (_sample("met", "chat", "tpot"), _sample("missed", "chat", "tpot")) == (
+        met + 1,
+        missed + 1,
+    )
+
+
+def test_objective_targets_are_validated_at_load() -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config(
+            {
+                "models": {"tiny": {"pools": ["main"]}},
+                "pools": {"main": {"endpoints": [FAST]}},
+                "request": {"objectives": {"chat": {"priority": 1, "ttft_ms": 0, "tpot_ms": "x"}}},
+            }
+        )
+    assert "ttft_ms" in str(refused.value)
+    assert "tpot_ms" in str(refused.value)
 
 
 async def capacity_router(learned: bool, slow_weight: float | None = None) -> Router:
