@@ -1,7 +1,8 @@
 """Tenant budgets end to end: a real Envoy in front of two epp processes sharing the real Redis,
 one tenant's requests reaching both. Together they admit the tenant's limit and no more; every
 429 carries Retry-After, the drop reason and the x-ratelimit-* headers; admitted responses carry
-the headers too (buffered and full-duplex)."""
+the headers too (buffered and full-duplex). With Redis down, each epp admits at most its share
+(limit / 2) and says so."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from epp.devstack import Stack
 from tests.e2e.client import Reply, completion
 from tests.e2e.conftest import REDIS_URL
-from tests.e2e.fleet import epp_metric
+from tests.e2e.fleet import epp_metric, wait_until
+from tests.helpers import redis_servers
 
 RPM = 40
 TPM = 100_000  # generous: requests run out first, the token headers still show
@@ -24,13 +26,13 @@ OFFERED = 2 * RPM
 PACE = 0.1  # seconds between requests: twice the limit offered over 8 s, as a steady stream
 
 
-def budget_stack(tmp: Path, mode: str) -> Stack:
+def budget_stack(tmp: Path, mode: str, redis_url: str = REDIS_URL) -> Stack:
     return Stack(
         tmp,
         replicas=2,
         mode=mode,  # type: ignore[arg-type]
         epp_count=2,
-        redis_url=REDIS_URL,
+        redis_url=redis_url,
         sim_args=["--time-scale", "0.02"],
         config_extra={
             "store": {"key_prefix": f"budget-{uuid.uuid4().hex[:8]}"},
@@ -109,3 +111,54 @@ def test_two_epps_admit_one_tenants_limit_and_429_with_the_headers(
         ]
         assert min(admitted) > 0, admitted
         assert sum(admitted) == len(ok)
+
+
+def tenant_metric(stack: Stack, index: int, name: str) -> float:
+    return sum(v for k, v in epp_metric(stack, index, name).items() if 'tenant="evals"' in k)
+
+
+@pytest.mark.skipif(not redis_servers.available(), reason="redis-server not installed")
+def test_with_redis_down_each_epp_admits_at_most_its_share(tmp_path: Path) -> None:
+    redis = redis_servers.RedisServer(tmp_path / "redis").start()
+    try:
+        with budget_stack(tmp_path / "stack", "buffered", redis.url) as stack:
+            stack.start()
+            both_epps_used(stack)
+            wait_until(
+                lambda: all(
+                    epp_metric(stack, i, "epp_shared_members").get("") == 2 for i in range(2)
+                ),
+                30,
+                "both epps see the group of two",
+            )
+            time.sleep(0.5)  # a few budget syncs: each epp has seen the member count too
+            redis.kill()
+            wait_until(
+                lambda: all(
+                    epp_metric(stack, i, "epp_budget_local_mode").get("") == 1 for i in range(2)
+                ),
+                30,
+                "both epps in local mode",
+            )
+            replies = [
+                completion(
+                    stack.url, f"eval {i}", 2, **{"x-gateway-inference-fairness-id": "evals"}
+                )
+                for i in range(OFFERED)
+            ]
+            share = RPM // 2
+            admitted = [tenant_metric(stack, i, "epp_budget_admitted_total") for i in range(2)]
+            refused = [tenant_metric(stack, i, "epp_budget_refused_total") for i in range(2)]
+            # Each epp admitted what it received up to its share (limit / 2), never more; and
+            # twice the limit offered reaches the share somewhere.
+            for a, r in zip(admitted, refused, strict=True):
+                assert a == min(share, a + r), (admitted, refused)
+            assert sum(refused) > 0, (admitted, refused)
+            assert sum(r.status == 200 for r in replies) == sum(admitted)
+            for reply in replies:
+                if reply.status == 429:
+                    assert reply.headers["x-epp-request-dropped-reason"] == "rejected-budget"
+                    assert int(reply.headers["retry-after"]) >= 1
+                    assert reply.headers["x-ratelimit-limit-requests"] == str(RPM)
+    finally:
+        redis.stop()
