@@ -110,3 +110,20 @@ async def test_a_request_routing_refuses_gets_its_budget_back() -> None:
     (answer,) = handler.resume()
     assert immediate(answer)[0] == 503
     assert router.budgets.remaining("evals", "requests", time.monotonic())[0] == 1
+
+
+async def test_a_reloaded_budget_applies_to_the_next_request() -> None:
+    router = await budget_router(rpm=1, tpm=0)
+    await admitted(router)
+    with pytest.raises(RequestError):
+        await admitted(router)
+    router.config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+            "budgets": {"tenants": {"evals": {"rpm": 2}}},
+        }
+    )
+    handler = await admitted(router)  # the window kept its one request; the limit is now 2
+    assert handler.charge is not None
+    assert handler.charge.headers["x-ratelimit-remaining-requests"] == "0"
