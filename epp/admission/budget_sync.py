@@ -77,8 +77,9 @@ for k = 2, #KEYS do
   local total, ages = 0, {}
   for j = 1, #fields, 2 do
     local index, amount = tonumber(fields[j]), tonumber(fields[j + 1])
-    if index < oldest or amount <= 0 then
-      -- Gone from the window; or refunds of charges Redis lost (a restart): nothing to count.
+    if index < oldest or index > current or amount <= 0 then
+      -- Gone from the window; from another bucket width (a reloaded window_seconds); or
+      -- refunds of charges Redis lost (a restart): nothing to count.
       redis.call('HDEL', KEYS[k], fields[j])
     else
       total = total + amount

@@ -107,3 +107,27 @@ async def test_with_redis_down_each_process_spends_at_most_its_share(
         )
     finally:
         server.stop()
+
+
+async def test_a_new_window_length_starts_the_groups_window_afresh(member: Member) -> None:
+    a, _ = await member()
+    for _ in range(10):
+        assert isinstance(a.charge("evals", 1, time.monotonic()), Charge)
+    await eventually(
+        lambda: (
+            a.remaining("evals", "requests", time.monotonic())[0] <= 90
+            and a.accounts()[("evals", "requests")].group is not None
+        ),
+        what="the group's window holds the 10",
+    )
+    # Buckets 100 times wider: the old ones mean other times and must not count.
+    a.policy = BudgetPolicy({"evals": Limits(rpm=100)}, window_seconds=100 * WINDOW)
+    assert isinstance(a.charge("evals", 1, time.monotonic()), Charge)
+    await eventually(
+        lambda: (
+            ("evals", "requests") in a.accounts()
+            and a.accounts()[("evals", "requests")].group is not None
+            and a.remaining("evals", "requests", time.monotonic())[0] == 99
+        ),
+        what="only the new request counts",
+    )
