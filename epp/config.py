@@ -22,6 +22,8 @@ Shape (every section optional except ``models`` and ``pools``)::
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}, scope: group|local}
+    budgets:  {tenants: {FAIRNESS_ID: {rpm, tpm}}, default: {rpm, tpm}, window_seconds}
+              (tenant budgets, docs/admission.md)
     scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
     store:    {backend: memory|redis, redis_url, key_prefix}
     health:   {enabled, consecutive_failures, error_rate, window_seconds, min_requests, ...}
@@ -49,6 +51,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, cast
 import yaml
 
 from epp.admission import SaturationDetector
+from epp.admission.budgets import BudgetPolicy, Limits
 from epp.admission.flow_queue import BandLimits, QueueLimits
 from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.admission.spillover import OverflowPool, Spillover
@@ -92,6 +95,7 @@ SECTIONS: Mapping[str, Reload] = {
     "routing": Reload.APPLIED,
     "request": Reload.APPLIED,
     "admission": Reload.APPLIED,
+    "budgets": Reload.APPLIED,
     "overflow": Reload.APPLIED,
     "autoscaling": Reload.APPLIED,
     "scheduling": Reload.APPLIED,
@@ -246,6 +250,7 @@ class Config:
     autoscaling: DemandPolicy = field(default_factory=DemandPolicy)
     flow_control: FlowControl = field(default_factory=lambda: FlowControl())
     spillover: Spillover = field(default_factory=Spillover)
+    budgets: BudgetPolicy = field(default_factory=BudgetPolicy)
     store: StoreConfig = field(default_factory=StoreConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -311,6 +316,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         admission=_admission(admission, scrape.interval),
         flow_control=_flow_control(admission),
         spillover=_spillover(root, pools.endpoints),
+        budgets=_budgets(root.child("budgets")),
         store=_store(root.child("store")),
         health=_health(root.child("health")),
         tracing=_tracing(root.child("tracing")),
@@ -860,6 +866,22 @@ def _flow_control(node: _Node) -> FlowControl:
         QueueLimits(total, default, bands),
         cast(AdmissionScope, scope),
     )
+
+
+def _budgets(node: _Node) -> BudgetPolicy:
+    node.only("tenants", "default", "window_seconds")
+    d = BudgetPolicy()
+    return BudgetPolicy(
+        tenants={name: _limits(entry) for name, entry in node.child("tenants").items()},
+        default=_limits(node.child("default")),
+        window_seconds=node.real("window_seconds", d.window_seconds),
+    )
+
+
+def _limits(node: _Node) -> Limits:
+    """``{rpm, tpm}``: requests and tokens per window, 0 or absent for no limit."""
+    node.only("rpm", "tpm")
+    return Limits(node.integer("rpm", 0, ge=0), node.integer("tpm", 0, ge=0))
 
 
 def _store(node: _Node) -> StoreConfig:

@@ -340,6 +340,29 @@ SPILLED = Counter(
     "Requests sent to an overflow pool because their home pool was saturated (spillover).",
     ["model", "overflow"],
 )
+# -- tenant budgets (epp/admission/budgets.py) ---------------------------------------------
+BUDGET_ADMITTED = Counter(
+    "epp_budget_admitted_total",
+    "Requests admitted by tenant budgets, per tenant (a configured name, else 'default').",
+    ["tenant"],
+)
+BUDGET_REFUSED = Counter(
+    "epp_budget_refused_total",
+    "Requests refused with 429 by tenant budgets, per tenant and the budget that ran out "
+    "(kind: requests or tokens).",
+    ["tenant", "kind"],
+)
+BUDGET_REMAINING = Gauge(
+    "epp_budget_remaining",
+    "What the tenant may still spend in its window (requests or tokens) as this process "
+    "saw it at its last decision or sync.",
+    ["tenant", "kind"],
+)
+BUDGET_LOCAL_MODE = Gauge(
+    "epp_budget_local_mode",
+    "1 while Redis is unreachable and this process enforces budgets alone (each tenant "
+    "limited to limit / processes here), else 0.",
+)
 POOL_SATURATION = Gauge(
     "inference_extension_flow_control_pool_saturation",
     "1 when every candidate endpoint of the pool (model) was full at the last check, else 0.",

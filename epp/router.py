@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from epp import errors
+from epp.admission.budgets import Budgets, Charge, Refusal
 from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.admission.spillover import inflight_key
@@ -26,6 +27,9 @@ from epp.discovery.settling import Settling
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
+    BUDGET_ADMITTED,
+    BUDGET_REFUSED,
+    BUDGET_REMAINING,
     DECISION_SECONDS,
     LATENCY_TARGETS,
     PICKS,
@@ -64,6 +68,8 @@ class Router:
         self.settling = Settling()
         # Holds requests while their pool is saturated (admission mode ``queue``).
         self.flow = FlowController(QueueLimits(), self.pool_saturated, group=fleet.queues)
+        # Tenant budgets: what each tenant spent and holds leased (docs/admission.md).
+        self.budgets = Budgets(config.budgets)
         self.config = config
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
@@ -101,6 +107,7 @@ class Router:
         self._config = config
         self.flow.limits = config.flow_control.limits
         self.flow.use_group = config.flow_control.scope == "group"
+        self.budgets.policy = config.budgets
 
     @property
     def profile(self) -> Profile:
@@ -114,12 +121,19 @@ class Router:
     def needs_preparation(self) -> bool:
         """Whether requests must pass through :meth:`prepare` and :meth:`admit` (awaited)
         before :meth:`route`."""
-        return bool(self._profile.prepare) or self._config.flow_control.mode == "queue"
+        return (
+            bool(self._profile.prepare)
+            or self._config.flow_control.mode == "queue"
+            or self._config.budgets.enabled
+        )
 
-    async def admit(self, request: InferenceRequest) -> None:
-        """With flow control on, wait until the request's pool has room; raise a 429/503
-        :class:`~epp.errors.RequestError` when the queue refuses it. Route right after this
-        returns (no await in between), so the dispatcher sees the request in flight."""
+    async def admit(self, request: InferenceRequest) -> Charge | None:
+        """Charge the request to its tenant's budget (429 when it is spent), then, with flow
+        control on, wait until the request's pool has room; raise a 429/503
+        :class:`~epp.errors.RequestError` when either refuses it. Route right after this
+        returns (no await in between), so the dispatcher sees the request in flight. Returns
+        the budget charge (None: the tenant has no budget), for the response's usage."""
+        charge = self._charge(request)
         if (
             self._config.flow_control.mode == "queue"
             and request.model in self._candidates
@@ -128,7 +142,37 @@ class Router:
             # Demand counts on arrival, before any wait: requests held for a pool with no
             # ready replica are what must scale it from zero.
             self._arrived(self._candidates[request.model])
-            await self.flow.admit(request.model, request.priority, request.fairness_id)
+            try:
+                await self.flow.admit(request.model, request.priority, request.fairness_id)
+            except BaseException:
+                # Refused or abandoned while held: it never ran, its budget is given back.
+                if charge is not None:
+                    self.budgets.refund(charge)
+                raise
+        return charge
+
+    def _charge(self, request: InferenceRequest) -> Charge | None:
+        """Spend one request and its expected tokens from the tenant's budget, or raise the
+        429 that names the budget that ran out."""
+        tenant = request.fairness_id
+        verdict = self.budgets.charge(tenant, request.expected_tokens(), time.monotonic())
+        if verdict is None:
+            return None
+        label = self._config.budgets.label(tenant)
+        for kind in ("requests", "tokens"):
+            remaining = verdict.headers.get(f"x-ratelimit-remaining-{kind}")
+            if remaining is not None:
+                child(BUDGET_REMAINING, label, kind).set(float(remaining))
+        if isinstance(verdict, Refusal):
+            child(BUDGET_REFUSED, label, verdict.kind).inc()
+            raise verdict.error()
+        child(BUDGET_ADMITTED, label).inc()
+        return verdict
+
+    def used(self, charge: Charge, tokens: int) -> None:
+        """The charged request's response reported its usage: ``tokens`` prompt + completion
+        tokens (the estimate charged at admission is corrected)."""
+        self.budgets.correct(charge, tokens)
 
     def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
         """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;

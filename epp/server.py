@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
+from epp.admission.budget_sync import BudgetSync
 from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
 from epp.discovery import Discovery, DiscoveryOptions
 from epp.extproc.health import Health
@@ -40,7 +41,7 @@ from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sessions import SharedSessionTable
-from epp.state.shared.sync import SharedState
+from epp.state.shared.sync import LEASE_INTERVALS, SharedState
 from epp.tls import client_context, grpc_credentials, server_context
 from epp.tracing import Tracing
 
@@ -114,6 +115,19 @@ class Server:
         self.store = make_store(config)
         self.fleet, self.shared = make_shared(config, self.store)
         self.router = Router(config, self.fleet)
+        # Tenant budgets shared by the group (with Redis; alone, the ledger is the budget).
+        self.budget_sync = (
+            None
+            if self.shared is None
+            else BudgetSync(
+                config.store.redis_url,
+                self.router.budgets,
+                self.shared.keys,
+                self.shared.me,
+                interval=config.scrape.interval,
+                member_ttl=LEASE_INTERVALS * config.scrape.interval,
+            )
+        )
         self.scraper = MetricsScraper(
             self.store,
             interval=config.scrape.interval,
@@ -141,6 +155,8 @@ class Server:
         config = self._use(config)
         if self.shared is not None:
             await self.shared.start()
+        if self.budget_sync is not None:
+            await self.budget_sync.start()
         await self.scraper.start()
         # Serve only once the group's endpoint states are in the local snapshot (bounded: with
         # Redis down, local state after one second rather than not at all).
@@ -217,6 +233,8 @@ class Server:
         await self.discovery.stop()
         await self.scraper.stop()
         await self.kv_events.stop()
+        if self.budget_sync is not None:
+            await self.budget_sync.stop()
         if self.shared is not None:
             await self.shared.stop()
         await self.store.stop()
@@ -333,6 +351,8 @@ class Server:
         self.store.set_refresh_interval(scrape.interval)
         if self.shared is not None:
             self.shared.set_interval(scrape.interval)
+        if self.budget_sync is not None:
+            self.budget_sync.set_interval(scrape.interval, LEASE_INTERVALS * scrape.interval)
 
 
 def _mtime(path: Path) -> float:

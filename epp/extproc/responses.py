@@ -161,6 +161,19 @@ def _route_in_body(
     )
 
 
+def add_response_headers(headers: Mapping[str, str]) -> ext_proc_pb2.ProcessingResponse:
+    """Continue the response with ``headers`` added (tenant budgets' x-ratelimit-*)."""
+    return ext_proc_pb2.ProcessingResponse(
+        response_headers=ext_proc_pb2.HeadersResponse(
+            response=ext_proc_pb2.CommonResponse(
+                header_mutation=ext_proc_pb2.HeaderMutation(
+                    set_headers=[_header(k, v) for k, v in headers.items()]
+                )
+            )
+        )
+    )
+
+
 def body_chunks(
     body: bytes, end_of_stream: bool = True, response: bool = False
 ) -> Iterator[ext_proc_pb2.ProcessingResponse]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
+from epp.admission.budgets import Charge
 from epp.errors import RequestError
 from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
@@ -109,6 +110,7 @@ class StreamHandler:
         "_strip_usage",
         "_subset",
         "_trace",
+        "charge",
         "pending",
         "pick",
     )
@@ -145,6 +147,9 @@ class StreamHandler:
         self.pending: Pending | None = None
         # Only for a sampled request while tracing is configured (epp.tracing).
         self._trace: RequestTrace | None = None
+        # What admission charged to the tenant's budget (None: no budget); the servicer sets
+        # it. Its x-ratelimit-* headers go on the response, its tokens are corrected by usage.
+        self.charge: Charge | None = None
 
     @property
     def trace(self) -> RequestTrace | None:
@@ -249,6 +254,8 @@ class StreamHandler:
             self._trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:
             self._response_ended = self._clock()
+        if self.charge is not None and self.charge.headers:
+            return (responses.add_response_headers(self.charge.headers),)
         return (responses.CONTINUE_RESPONSE_HEADERS,)
 
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
@@ -305,6 +312,8 @@ class StreamHandler:
         self._observer = None
         outcome = observer.finish(self._clock() if at is None else at, complete)
         record(outcome, request.model, self._objective(request))
+        if self.charge is not None and outcome.usage is not None:
+            self._router.used(self.charge, outcome.usage.prompt + outcome.usage.completion)
         if outcome.served is not None and outcome.complete and outcome.status < 400:
             # A stream's time after its first token is the replica's work; the time before it
             # is mostly the queue, which must not inflate the service time.
@@ -448,6 +457,9 @@ class StreamHandler:
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.schedule", started, self._profile_attributes(), error.message)
+            if self.charge is not None:  # never ran: its tenant's budget is given back
+                self._router.budgets.refund(self.charge)
+                self.charge = None
             return (self._refuse(error), *after)
         if trace is not None:
             endpoints = [e.address for e in decision.endpoints]

@@ -8,7 +8,8 @@ design; here each comparison gets PromQL's ``bool`` modifier, which keeps the se
 and so still proves the signal exists. Model ``ghost`` has one endpoint that never answers,
 and flow control is on (``admission.mode: queue``, short TTL): requests for ``ghost`` wait in
 the queue and are dropped at the TTL (503), so the flow-control panels (queue length, wait,
-drops by reason, saturation), refusals and an empty pool show up too.
+drops by reason, saturation), refusals and an empty pool show up too; tenant ``evals`` is over
+its budget (admitted and refused).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def load(stack: Stack, stop: threading.Event) -> None:
         request(stack.url, "/v1/completions", {**body, "model": "nope"})
         request(stack.url, "/v1/completions", {**body, "model": "ghost"})
         request(stack.url, "/v1/completions", {**body, "model": "ghost"}, {"x-priority": "-1"})
+        request(stack.url, "/v1/completions", body, {"x-gateway-inference-fairness-id": "evals"})
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
             "models": {"ghost": {"pools": ["ghost"]}},
             "pools": {"ghost": {"endpoints": [f"127.0.0.1:{free_port()}"]}},
             "admission": {"mode": "queue", "ttl": 0.3},
+            # A tenant over its budget: the budget panels show admitted and refused requests.
+            "budgets": {"tenants": {"evals": {"rpm": 2}}, "window_seconds": 5},
         },
         sim_args=["--time-scale", "0.05"],
     )

@@ -19,6 +19,9 @@ key                             type      written by / lifetime
 ``{p}:latency:<process id>``    hash      endpoint -> JSON of the process's own latency
                                           evidence (:mod:`epp.state.latency`), rewritten
                                           every second; PX 10 s
+``{p}:budget:<kind>:<tenant>``  hash      tenant budget window (:mod:`epp.admission.budget_sync`):
+                                          bucket index -> amount granted or charged;
+                                          PX window + 2 buckets
 ``{p}:picks``                   stream    prefix-index insertions, session bindings and
                                           passive-health verdicts (ejections, readmissions), up
                                           to 32 per entry; ``MAXLEN ~ 1024``, PX 1 h
@@ -49,6 +52,9 @@ class Keys:
 
     def latency(self, member: str) -> str:
         return f"{self.prefix}:latency:{member}"
+
+    def budget(self, kind: str, tenant: str) -> str:
+        return f"{self.prefix}:budget:{kind}:{tenant}"
 
     @property
     def picks(self) -> str:
