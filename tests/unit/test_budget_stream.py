@@ -76,6 +76,7 @@ async def test_admitted_responses_carry_the_headers_and_usage_corrects_the_token
         response_body=ext_proc_pb2.HttpBody(body=json.dumps(usage).encode(), end_of_stream=True)
     )
     handler.handle(body)
+    handler.settle()  # a complete response's bookkeeping runs after its answer is sent
     assert router.budgets.remaining("evals", "tokens", time.monotonic())[0] == 1000 - 7
 
 
