@@ -174,10 +174,14 @@ class Stack:
                 return epp, json.loads(body)["endpoints"]
         return None
 
-    def endpoints(self, epp: str) -> dict[str, object]:
+    def endpoints(self, epp: str) -> dict[str, object] | None:
+        """What ``epp`` shows in /debug/endpoints; None while its admin port does not answer
+        (probes poll until their deadline: a published port may refuse connections for a
+        moment after the container started, and the first completion may not have gone
+        through that epp)."""
         status, _, body = http(f"{self.url(epp)}/debug/endpoints")
         if status != 200:
-            raise StackError(f"{epp}: /debug/endpoints answered HTTP {status}")
+            return None
         found: dict[str, object] = json.loads(body)
         return found
 
@@ -206,10 +210,12 @@ class Stack:
 
     def agreed(self, count: int) -> bool:
         """Both epps see ``count`` ready replicas and Envoy has resolved every one of them."""
-        ready = [
-            {a for a, e in self.endpoints(epp).items() if isinstance(e, dict) and e.get("ready")}
-            for epp in EPPS
-        ]
+        ready = []
+        for epp in EPPS:
+            found = self.endpoints(epp)
+            if found is None:
+                return False
+            ready.append({a for a, e in found.items() if isinstance(e, dict) and e.get("ready")})
         return all(len(r) == count for r in ready) and ready[0] == ready[1] <= self.envoy_pool()
 
     def logs(self) -> str:
@@ -386,7 +392,7 @@ def main() -> int:
         stopped_at = time.monotonic()
         wait_for(
             f"epp-1 and epp-2 to drop {gone}",
-            lambda: all(gone not in stack.endpoints(epp) for epp in EPPS),
+            lambda: all(gone not in (stack.endpoints(epp) or {gone: None}) for epp in EPPS),
             30,
             0.2,
         )
