@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -36,13 +35,13 @@ from redis.backoff import NoBackoff
 
 from epp.admission.budgets import BUCKETS, SLICE_SPLIT, Budgets
 from epp.observability import BUDGET_LOCAL_MODE, BUDGET_REMAINING, child
+from epp.state.backoff import Backoff
 from epp.state.shared.connect import connect
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
 
 _SOCKET_TIMEOUT = 1.0
-_MAX_BACKOFF = 1.0
 
 # KEYS[1]: the member set; KEYS[2..]: one window hash per account.
 # ARGV: process id, member TTL (ms), bucket width (ms), buckets, slice split; then per
@@ -151,7 +150,7 @@ class BudgetSync:
         await self._client.aclose()
 
     async def _run(self) -> None:
-        backoff = self._interval
+        backoff = Backoff(self._interval)
         while not self._stopping:
             if not self._ledger.policy.enabled:
                 await asyncio.sleep(self._interval)
@@ -160,11 +159,10 @@ class BudgetSync:
                 await self.tick()
             except Exception as exc:  # this tick is lost; local mode until one succeeds
                 self._set_up(False, exc)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                await backoff.failed()
                 continue
             self._set_up(True)
-            backoff = self._interval
+            backoff.reset(self._interval)
             await asyncio.sleep(self._interval)
 
     async def tick(self) -> None:

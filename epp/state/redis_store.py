@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,6 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from epp.observability import STORE_UP
+from epp.state.backoff import Backoff
 from epp.state.local import LocalSnapshot
 from epp.state.shared.connect import connect
 from epp.state.snapshot import EndpointMetrics, EndpointState, Snapshot
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 # A hung Redis must not stall the sync loop for long; URL query options can override these.
 _SOCKET_TIMEOUT = 1.0
 # Backoff between attempts while Redis is down: doubles from the refresh interval up to this.
-_MAX_BACKOFF = 1.0
 
 # Derived from the dataclass so a new metric field is shipped without touching this module; set
 # fields (adapter names) travel as sorted JSON lists.
@@ -149,7 +148,7 @@ class RedisStore(StateStore):
         return f"{self._prefix}:ep:{address}"
 
     async def _run(self) -> None:
-        backoff = self._interval
+        backoff = Backoff(self._interval)
         # The flag, not only the cancellation, ends the loop: redis-py sends commands under
         # asyncio.wait_for, which on Python 3.11 swallows a cancellation that arrives as the
         # send completes (CPython gh-86296), and the loop would then run on after stop().
@@ -160,11 +159,10 @@ class RedisStore(StateStore):
             # the loop must survive it.
             except Exception as exc:
                 self._set_up(False, exc)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                await backoff.failed()
                 continue
             self._set_up(True)
-            backoff = self._interval
+            backoff.reset(self._interval)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._interval):
                     await self._urgent.wait()

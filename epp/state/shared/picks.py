@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +42,7 @@ from typing import Any, Protocol
 import msgpack
 
 from epp.observability import SHARED_PICK_DELAY, SHARED_PICKS
+from epp.state.backoff import Backoff
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ _READ_COUNT = 512
 # XREAD BLOCK timeout: bounds how long stop() waits if a cancellation is swallowed (redis-py
 # on Python 3.11); must stay below the socket timeout.
 _BLOCK_MS = 200
-_MAX_BACKOFF = 1.0
 # Items per stream entry: one XADD (and one entry for readers to parse) carries everything
 # collected in one linger, up to this many. Bounds an entry at ~75 KB (256-block prompts).
 _ENTRY_ITEMS = 32
@@ -134,7 +133,7 @@ class PickStream:
         self._tasks = []
 
     async def _ship_loop(self) -> None:
-        backoff = self._retry
+        backoff = Backoff(self._retry)
         while not self._stopping:
             await asyncio.sleep(self._linger)
             self._collect()
@@ -144,10 +143,9 @@ class PickStream:
                 await self._ship()
             except Exception as exc:  # any failure: keep the entries, retry later
                 log.debug("cannot ship picks: %s", exc)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                await backoff.failed()
                 continue
-            backoff = self._retry
+            backoff.reset(self._retry)
 
     def _collect(self) -> None:
         for tag, channel in self._channels.items():
@@ -175,17 +173,16 @@ class PickStream:
     async def _read_loop(self) -> None:
         # From the beginning: a fresh process replays what the stream holds to warm up.
         last: bytes | str = "0-0"
-        backoff = self._retry
+        backoff = Backoff(self._retry)
         block = None if self._poll is not None else _BLOCK_MS
         while not self._stopping:
             try:
                 reply = await self._client.xread({self._key: last}, count=_READ_COUNT, block=block)
             except Exception as exc:  # Redis down or failing over: retry with backoff
                 log.debug("cannot read picks: %s", exc)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                await backoff.failed()
                 continue
-            backoff = self._retry
+            backoff.reset(self._retry)
             entries = reply[0][1] if reply else []
             if entries:
                 last = entries[-1][0]

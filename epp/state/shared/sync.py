@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import secrets
 import socket
 import time
@@ -34,6 +33,7 @@ from redis.backoff import NoBackoff
 
 from epp.observability import FLOW_GROUP, SHARED_INFLIGHT, SHARED_MEMBERS
 from epp.prefix.approximate import Insertion
+from epp.state.backoff import Backoff
 from epp.state.fleet import FleetState
 from epp.state.health import Verdict
 from epp.state.shared.connect import connect, hash_tag
@@ -48,7 +48,6 @@ from epp.state.shared.sessions import Binding, SharedSessionTable
 log = logging.getLogger(__name__)
 
 _SOCKET_TIMEOUT = 1.0
-_MAX_BACKOFF = 1.0
 # A lease outlives this many missed renewals: a dead owner is replaced within about
 # LEASE_INTERVALS + 1 intervals, and a process whose tick is late by less keeps its leases.
 LEASE_INTERVALS = 3
@@ -174,7 +173,7 @@ class SharedState:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff = self._interval
+        backoff = Backoff(self._interval)
         next_at = loop.time()
         # The flag, not only the cancellation, ends the loop (redis-py on Python 3.11 can
         # swallow a cancellation; see RedisStore._run).
@@ -183,12 +182,11 @@ class SharedState:
                 await self._tick()
             except Exception as exc:  # whatever failed, this tick is lost; the loop survives
                 self._set_up(False, exc)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                await backoff.failed()
                 next_at = loop.time()
                 continue
             self._set_up(True)
-            backoff = self._interval
+            backoff.reset(self._interval)
             next_at = max(next_at + self._interval, loop.time())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(next_at - loop.time()):
