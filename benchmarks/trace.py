@@ -28,6 +28,10 @@ GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv",
+    # Counters (prompt tokens): their last values give each replica's own prefix hit rate, so
+    # a replica that thrashes its cache while the others keep theirs stands out.
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:prefix_cache_hits_total": "hits",
 }
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
@@ -50,6 +54,8 @@ class Sample:
     waiting: float
     running: float
     kv: float
+    queries: float
+    hits: float
 
 
 async def traced(
@@ -111,11 +117,21 @@ async def traced(
 
 
 def summary(samples: Sequence[Sample], requests: Sequence[dict[str, Any]], path: Path) -> str:
-    """Each replica's longest waiting queue, and the request that waited longest for a token."""
+    """Each replica's longest waiting queue and prefix hit rate (the counters' growth over the
+    stage, in prompt tokens), and the request that waited longest for a token."""
     peaks: dict[str, float] = {}
+    first: dict[str, Sample] = {}
+    last: dict[str, Sample] = {}
     for s in samples:
         peaks[s.replica] = max(peaks.get(s.replica, 0.0), s.waiting)
+        first.setdefault(s.replica, s)
+        last[s.replica] = s
     queues = " ".join(f"{peaks[r]:g}" for r in sorted(peaks)) or "-"
+    rates = []
+    for replica in sorted(last):
+        queried = last[replica].queries - first[replica].queries
+        hit = last[replica].hits - first[replica].hits
+        rates.append(f"{100 * hit / queried:.0f}%/{queried / 1000:.0f}k" if queried else "-")
     answered = [r for r in requests if r["ttft"] is not None]
     worst = "no request answered"
     if answered:
@@ -124,4 +140,7 @@ def summary(samples: Sequence[Sample], requests: Sequence[dict[str, Any]], path:
             f"slowest first token {slowest['ttft']:.2f}s "
             f"(sent at {slowest['sent']:.2f}s, {slowest['key']})"
         )
-    return f"      trace: peak waiting per replica {queues}; {worst}; {path}"
+    return (
+        f"      trace: peak waiting per replica {queues}; prefix hits/tokens queried per "
+        f"replica {' '.join(rates) or '-'}; {worst}; {path}"
+    )

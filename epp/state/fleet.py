@@ -15,6 +15,7 @@ from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
 from epp.state.backlog import PrefillBacklog
+from epp.state.cold_picks import ColdPicks
 from epp.state.group_queues import GroupQueues
 from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
@@ -35,6 +36,8 @@ class FleetState:
     tokenizers: TokenizerRegistry = field(default_factory=TokenizerRegistry)
     # Prefill tokens queued per endpoint by epp's own picks (the TTFT scorer's fluid model).
     prefill: PrefillBacklog = field(default_factory=PrefillBacklog)
+    # Which endpoint most recently received a prompt cached nowhere (the no-hit-LRU scorer).
+    cold_picks: ColdPicks = field(default_factory=ColdPicks)
     # Each endpoint's circuit, judged from the responses it served (passive health).
     health: HealthTracker = field(default_factory=HealthTracker)
     # Each endpoint's learned prefill rate, queueing and decode speed (the latency model).

@@ -17,6 +17,8 @@ PAGE = (
     'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}\n'
     'vllm:num_requests_running{{engine="0",model_name="tiny"}} 2.0\n'
     'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} 0.5\n'
+    'vllm:prefix_cache_queries_total{{engine="0",model_name="tiny"}} {queries}\n'
+    'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {hits}\n'
 )
 
 
@@ -37,7 +39,9 @@ async def _replica(waiting: list[int], growth: int) -> TestServer:
 
     async def metrics(_: web.Request) -> web.Response:
         waiting[0] += growth
-        return web.Response(text=PAGE.format(waiting=waiting[0]))
+        # Every scrape, 1000 more prompt tokens queried, of which 250 * growth were cached.
+        queries, hits = 1000 * waiting[0], 250 * growth * waiting[0]
+        return web.Response(text=PAGE.format(waiting=waiting[0], queries=queries, hits=hits))
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -97,3 +101,7 @@ async def test_trace_polls_replicas_during_the_stage_and_records_each_request(
     peaks = summary.split("peak waiting per replica ")[1].split(";")[0].split()
     assert sorted(float(p) for p in peaks) == [0.0, float(busy[0])]
     assert "slowest first token 0.40s (sent at 0.05s, conv-2)" in summary
+    # Hit rates from the counters' growth: the busy replica's page says 25% of its tokens hit;
+    # the idle one's counters never move.
+    rates = summary.split("tokens queried per replica ")[1].split(";")[0].split()
+    assert sorted(rates) == sorted(["-", f"25%/{(busy[0] - 1):.0f}k"])
