@@ -238,9 +238,7 @@ def _queue_limits(
     the limits allow"), and metrics may be 1 s old before they count as full (a noisy 2-core
     machine delays scrapes).
     """
-    kv_requests = max(
-        1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens))
-    )
+    kv_requests = _kv_requests(cal, args)
     batch = cal.capacity * cal.latency / args.replicas * headroom
     critical = round(batch) + kv_requests if engine_priority else max(kv_requests, round(batch))
     return {
@@ -253,6 +251,30 @@ def _queue_limits(
         "ttl": args.ttl,
         "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
     }
+
+
+def _pool_limits(cal: Calibration, args: argparse.Namespace, reserve: int) -> dict[str, Any]:
+    """Flow control with a reserve for the pool rather than per endpoint: every request may
+    take an endpoint up to ``--pool-max-requests`` (default: what its KV cache holds), batch
+    only while ``reserve`` of those slots stay free somewhere in the pool for critical work.
+    The engines order their queues by priority (the rows run with engine priority), and the
+    KV threshold is left to the counts (1.0): a KV cache full of running work must not hold
+    critical work in epp when an engine queue would serve it first."""
+    return {
+        "mode": "queue",
+        "max_requests": args.pool_max_requests or _kv_requests(cal, args),
+        "pool_reserve": reserve,
+        "kv_threshold": 1.0,
+        "queue_threshold": 50,
+        "stale_seconds": 1.0,
+        "ttl": args.ttl,
+        "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
+    }
+
+
+def _kv_requests(cal: Calibration, args: argparse.Namespace) -> int:
+    """Requests of this benchmark's size one engine's KV cache holds to the last output token."""
+    return max(1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)))
 
 
 def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -269,6 +291,8 @@ def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dic
         out.append((SPILL, _queue_limits(cal, args, args.headroom[0])))
     for h in args.engine_priority:
         out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h, engine_priority=True)))
+    for r in args.pool_reserve:
+        out.append((f"{ENGINE}, pool reserve {r}", _pool_limits(cal, args, r)))
     return out
 
 
@@ -475,6 +499,21 @@ def main() -> None:
         metavar="F",
         help="add a queue + engine priority run per batch factor F (engines ordering and "
         "preempting by priority, which epp writes into the body)",
+    )
+    parser.add_argument(
+        "--pool-reserve",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="R",
+        help="add a queue + engine priority run per R with admission.pool_reserve R (batch "
+        "fills endpoints while R request slots stay free in the pool)",
+    )
+    parser.add_argument(
+        "--pool-max-requests",
+        type=int,
+        default=0,
+        help="with --pool-reserve: max_requests per endpoint (0: what the KV cache holds)",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
     args = parser.parse_args()
