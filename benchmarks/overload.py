@@ -85,10 +85,18 @@ def _replica_metric(stack: FleetStack, name: str) -> list[float]:
     return out
 
 
-def _kv_sampler(stack: FleetStack, until: float, into: list[float]) -> None:
-    """Mean KV use over the replicas, every 0.5 s until ``until`` (monotonic)."""
+ENGINE_GAUGES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+
+
+def _engine_sampler(stack: FleetStack, until: float, into: list[tuple[float, ...]]) -> None:
+    """Per gauge of ENGINE_GAUGES, its mean over the replicas, every 0.5 s until ``until``
+    (monotonic): KV use is the report's, running and waiting say how full the engines were."""
     while time.monotonic() < until:
-        into.append(statistics.fmean(_replica_metric(stack, "vllm:kv_cache_usage_perc")))
+        into.append(tuple(statistics.fmean(_replica_metric(stack, g)) for g in ENGINE_GAUGES))
         time.sleep(0.5)
 
 
@@ -350,9 +358,11 @@ def _run_mode(
         if mode == "off":
             alone, _ = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, False))
             unloaded = _ttfts(alone.outcomes)
-        kv: list[float] = []
+        samples: list[tuple[float, ...]] = []
         sampler = threading.Thread(
-            target=_kv_sampler, args=(stack, time.monotonic() + args.duration, kv), daemon=True
+            target=_engine_sampler,
+            args=(stack, time.monotonic() + args.duration, samples),
+            daemon=True,
         )
         sampler.start()
         critical, batch = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, True))
@@ -375,7 +385,9 @@ def _run_mode(
         "critical_held": held,
         "batch_goodput": in_window / args.duration,
         "batch": dict(Counter(_fate(o) for o in batch.outcomes)) | spilled,
-        "kv_mean": statistics.fmean(kv) if kv else float("nan"),
+        "kv_mean": statistics.fmean(s[0] for s in samples) if samples else float("nan"),
+        "engine_running": statistics.fmean(s[1] for s in samples) if samples else float("nan"),
+        "engine_waiting": statistics.fmean(s[2] for s in samples) if samples else float("nan"),
     }
 
 
@@ -436,6 +448,14 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             + "."
             if args.engine_priority
             else ""
+        )
+        + (
+            f" `{ENGINE}, pool reserve R`: engine priority as above, every request may take an "
+            f"endpoint up to `max_requests: {_pool_limits(cal, args, 0)['max_requests']}`, "
+            "batch only while the pool keeps R of those slots free for critical "
+            "(`admission.pool_reserve: R`, no per-endpoint reserve, `kv_threshold: 1.0`)."
+            if args.pool_reserve
+            else ""
         ),
         "",
         f"Unloaded critical TTFT (critical alone, admission off): p50 {base50:.3f} s, "
@@ -443,8 +463,8 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
         "",
         "| admission | run | critical TTFT p50 | critical TTFT p99 (x unloaded) | critical ok "
         f"| critical held by epp (n, mean) | batch goodput (/s, % of the {left:g}/s left) "
-        "| mean KV use | batch outcomes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mean KV use | engine running / waiting | batch outcomes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p99, goodput = r["critical_p99"], r["batch_goodput"]
@@ -453,7 +473,8 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             f"| {p99:.3f} s ({p99 / base99:.1f}x) | {r['critical_ok']}/{r['critical_sent']} "
             f"| {_held_text(r['critical_held'])} "
             f"| {goodput:.2f} ({100 * goodput / left:.0f}%) "
-            f"| {100 * r['kv_mean']:.1f}% | {r['batch']} |"
+            f"| {100 * r['kv_mean']:.1f}% "
+            f"| {r['engine_running']:.1f} / {r['engine_waiting']:.1f} | {r['batch']} |"
         )
     return "\n".join(lines) + "\n"
 
