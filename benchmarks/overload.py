@@ -9,7 +9,9 @@ epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh 
 ``queue`` derives its concurrency limit from the calibration (Little's law, see
 :func:`_queue_limits`). ``--engine-priority F ...`` adds ``queue + engine priority`` rows: the
 replicas run vLLM's ``--scheduling-policy priority``, epp writes each request's priority into
-its body (``request.engine_priority``) and lets F x more batch in. Report: docs/overload.md.
+its body (``request.engine_priority``) and lets F x more batch in. ``--pool-reserve R ...``
+adds rows with engine priority and a reserve for the pool instead of per endpoint
+(``admission.pool_reserve``, :func:`_pool_limits`). Report: docs/overload.md.
 
     .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
     # about 17 minutes on 2 shared cores
@@ -261,16 +263,16 @@ def _queue_limits(
     }
 
 
-def _pool_limits(cal: Calibration, args: argparse.Namespace, reserve: int) -> dict[str, Any]:
+def _pool_limits(reserve: int, max_requests: int, args: argparse.Namespace) -> dict[str, Any]:
     """Flow control with a reserve for the pool rather than per endpoint: every request may
-    take an endpoint up to ``--pool-max-requests`` (default: what its KV cache holds), batch
-    only while ``reserve`` of those slots stay free somewhere in the pool for critical work.
+    take an endpoint up to ``max_requests``, batch only while ``reserve`` of those slots stay
+    free somewhere in the pool for critical work.
     The engines order their queues by priority (the rows run with engine priority), and the
     KV threshold is left to the counts (1.0): a KV cache full of running work must not hold
     critical work in epp when an engine queue would serve it first."""
     return {
         "mode": "queue",
-        "max_requests": args.pool_max_requests or _kv_requests(cal, args),
+        "max_requests": max_requests,
         "pool_reserve": reserve,
         "kv_threshold": 1.0,
         "queue_threshold": 50,
@@ -300,7 +302,8 @@ def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dic
     for h in args.engine_priority:
         out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h, engine_priority=True)))
     for r in args.pool_reserve:
-        out.append((f"{ENGINE}, pool reserve {r}", _pool_limits(cal, args, r)))
+        for m in args.pool_max_requests or [_kv_requests(cal, args)]:
+            out.append((f"{ENGINE}, pool reserve {r} of {m}", _pool_limits(r, m, args)))
     return out
 
 
@@ -450,9 +453,10 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             else ""
         )
         + (
-            f" `{ENGINE}, pool reserve R`: engine priority as above, every request may take an "
-            f"endpoint up to `max_requests: {_pool_limits(cal, args, 0)['max_requests']}`, "
-            "batch only while the pool keeps R of those slots free for critical "
+            f" `{ENGINE}, pool reserve R of M`: the engines order their queues by priority "
+            "as above, every request may take an endpoint up to `max_requests: M` "
+            f"({_kv_requests(cal, args)} is what one engine's KV cache holds), batch only "
+            "while the pool keeps R of those slots free for critical "
             "(`admission.pool_reserve: R`, no per-endpoint reserve, `kv_threshold: 1.0`)."
             if args.pool_reserve
             else ""
@@ -533,8 +537,11 @@ def main() -> None:
     parser.add_argument(
         "--pool-max-requests",
         type=int,
-        default=0,
-        help="with --pool-reserve: max_requests per endpoint (0: what the KV cache holds)",
+        nargs="*",
+        default=[],
+        metavar="M",
+        help="with --pool-reserve: a row per max_requests M per endpoint (default: what one "
+        "engine's KV cache holds)",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
     args = parser.parse_args()
