@@ -22,8 +22,8 @@ entering through another cannot take.
 may fill an endpoint up to its whole ``max_requests`` as long as the pool keeps room for
 ``pool_reserve`` more requests on endpoints that are otherwise not full. A per-endpoint
 reserve leaves every endpoint's share empty at once (a fleet held at ``(1 - reserve)`` of its
-KV); a pool reserve leaves only as many slots as critical arrivals need, wherever they are,
-and scheduling sends critical work there (docs/admission.md, "A reserve for the pool").
+KV); a pool reserve leaves free only the slots it names, wherever they are, and routing sends
+critical work there (docs/admission.md; docs/overload.md measures what it costs critical).
 """
 
 from __future__ import annotations
