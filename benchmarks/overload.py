@@ -9,7 +9,9 @@ epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh 
 ``queue`` derives its concurrency limit from the calibration (Little's law, see
 :func:`_queue_limits`). ``--engine-priority F ...`` adds ``queue + engine priority`` rows: the
 replicas run vLLM's ``--scheduling-policy priority``, epp writes each request's priority into
-its body (``request.engine_priority``) and lets F x more batch in. Report: docs/overload.md.
+its body (``request.engine_priority``) and lets F x more batch in. ``--pool-reserve R ...``
+adds rows with engine priority and a reserve for the pool instead of per endpoint
+(``admission.pool_reserve``, :func:`_pool_limits`). Report: docs/overload.md.
 
     .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
     # about 17 minutes on 2 shared cores
@@ -85,10 +87,18 @@ def _replica_metric(stack: FleetStack, name: str) -> list[float]:
     return out
 
 
-def _kv_sampler(stack: FleetStack, until: float, into: list[float]) -> None:
-    """Mean KV use over the replicas, every 0.5 s until ``until`` (monotonic)."""
+ENGINE_GAUGES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+
+
+def _engine_sampler(stack: FleetStack, until: float, into: list[tuple[float, ...]]) -> None:
+    """Per gauge of ENGINE_GAUGES, its mean over the replicas, every 0.5 s until ``until``
+    (monotonic): KV use is the report's, running and waiting say how full the engines were."""
     while time.monotonic() < until:
-        into.append(statistics.fmean(_replica_metric(stack, "vllm:kv_cache_usage_perc")))
+        into.append(tuple(statistics.fmean(_replica_metric(stack, g)) for g in ENGINE_GAUGES))
         time.sleep(0.5)
 
 
@@ -238,9 +248,7 @@ def _queue_limits(
     the limits allow"), and metrics may be 1 s old before they count as full (a noisy 2-core
     machine delays scrapes).
     """
-    kv_requests = max(
-        1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens))
-    )
+    kv_requests = _kv_requests(cal, args)
     batch = cal.capacity * cal.latency / args.replicas * headroom
     critical = round(batch) + kv_requests if engine_priority else max(kv_requests, round(batch))
     return {
@@ -253,6 +261,30 @@ def _queue_limits(
         "ttl": args.ttl,
         "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
     }
+
+
+def _pool_limits(reserve: int, max_requests: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Flow control with a reserve for the pool rather than per endpoint: every request may
+    take an endpoint up to ``max_requests``, batch only while ``reserve`` of those slots stay
+    free somewhere in the pool for critical work.
+    The engines order their queues by priority (the rows run with engine priority), and the
+    KV threshold is left to the counts (1.0): a KV cache full of running work must not hold
+    critical work in epp when an engine queue would serve it first."""
+    return {
+        "mode": "queue",
+        "max_requests": max_requests,
+        "pool_reserve": reserve,
+        "kv_threshold": 1.0,
+        "queue_threshold": 50,
+        "stale_seconds": 1.0,
+        "ttl": args.ttl,
+        "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
+    }
+
+
+def _kv_requests(cal: Calibration, args: argparse.Namespace) -> int:
+    """Requests of this benchmark's size one engine's KV cache holds to the last output token."""
+    return max(1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)))
 
 
 def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -269,6 +301,9 @@ def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dic
         out.append((SPILL, _queue_limits(cal, args, args.headroom[0])))
     for h in args.engine_priority:
         out.append((f"{ENGINE}, batch x{h:g}", _queue_limits(cal, args, h, engine_priority=True)))
+    for r in args.pool_reserve:
+        for m in args.pool_max_requests or [_kv_requests(cal, args)]:
+            out.append((f"{ENGINE}, pool reserve {r} of {m}", _pool_limits(r, m, args)))
     return out
 
 
@@ -326,9 +361,11 @@ def _run_mode(
         if mode == "off":
             alone, _ = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, False))
             unloaded = _ttfts(alone.outcomes)
-        kv: list[float] = []
+        samples: list[tuple[float, ...]] = []
         sampler = threading.Thread(
-            target=_kv_sampler, args=(stack, time.monotonic() + args.duration, kv), daemon=True
+            target=_engine_sampler,
+            args=(stack, time.monotonic() + args.duration, samples),
+            daemon=True,
         )
         sampler.start()
         critical, batch = asyncio.run(_measure(critical_url, batch_url, cal.capacity, args, True))
@@ -351,7 +388,9 @@ def _run_mode(
         "critical_held": held,
         "batch_goodput": in_window / args.duration,
         "batch": dict(Counter(_fate(o) for o in batch.outcomes)) | spilled,
-        "kv_mean": statistics.fmean(kv) if kv else float("nan"),
+        "kv_mean": statistics.fmean(s[0] for s in samples) if samples else float("nan"),
+        "engine_running": statistics.fmean(s[1] for s in samples) if samples else float("nan"),
+        "engine_waiting": statistics.fmean(s[2] for s in samples) if samples else float("nan"),
     }
 
 
@@ -412,6 +451,15 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             + "."
             if args.engine_priority
             else ""
+        )
+        + (
+            f" `{ENGINE}, pool reserve R of M`: the engines order their queues by priority "
+            "as above, every request may take an endpoint up to `max_requests: M` "
+            f"({_kv_requests(cal, args)} is what one engine's KV cache holds), batch only "
+            "while the pool keeps R of those slots free for critical "
+            "(`admission.pool_reserve: R`, no per-endpoint reserve, `kv_threshold: 1.0`)."
+            if args.pool_reserve
+            else ""
         ),
         "",
         f"Unloaded critical TTFT (critical alone, admission off): p50 {base50:.3f} s, "
@@ -419,8 +467,8 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
         "",
         "| admission | run | critical TTFT p50 | critical TTFT p99 (x unloaded) | critical ok "
         f"| critical held by epp (n, mean) | batch goodput (/s, % of the {left:g}/s left) "
-        "| mean KV use | batch outcomes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mean KV use | engine running / waiting | batch outcomes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p99, goodput = r["critical_p99"], r["batch_goodput"]
@@ -429,7 +477,8 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             f"| {p99:.3f} s ({p99 / base99:.1f}x) | {r['critical_ok']}/{r['critical_sent']} "
             f"| {_held_text(r['critical_held'])} "
             f"| {goodput:.2f} ({100 * goodput / left:.0f}%) "
-            f"| {100 * r['kv_mean']:.1f}% | {r['batch']} |"
+            f"| {100 * r['kv_mean']:.1f}% "
+            f"| {r['engine_running']:.1f} / {r['engine_waiting']:.1f} | {r['batch']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -475,6 +524,24 @@ def main() -> None:
         metavar="F",
         help="add a queue + engine priority run per batch factor F (engines ordering and "
         "preempting by priority, which epp writes into the body)",
+    )
+    parser.add_argument(
+        "--pool-reserve",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="R",
+        help="add a queue + engine priority run per R with admission.pool_reserve R (batch "
+        "fills endpoints while R request slots stay free in the pool)",
+    )
+    parser.add_argument(
+        "--pool-max-requests",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="M",
+        help="with --pool-reserve: a row per max_requests M per endpoint (default: what one "
+        "engine's KV cache holds)",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
     args = parser.parse_args()

@@ -20,7 +20,7 @@ Shape (every section optional except ``models`` and ``pools``)::
                objectives: {NAME: int | {priority, spill}}, trusted_headers,
                api_keys: {KEY: {tenant, objective}}, engine_priority}
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
-                max_requests, max_tokens, sheddable_reserve, capacity, ttl,
+                max_requests, max_tokens, sheddable_reserve, pool_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}, scope: group|local}
     budgets:  {tenants: {FAIRNESS_ID: {rpm, tpm}}, default: {rpm, tpm}, window_seconds}
               (tenant budgets, docs/admission.md)
@@ -737,6 +737,7 @@ def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:
         "max_requests",
         "max_tokens",
         "sheddable_reserve",
+        "pool_reserve",
         "capacity",
         "ttl",
         "bands",
@@ -748,13 +749,20 @@ def _admission(node: _Node, scrape_interval: float) -> SaturationDetector:
     if kv > 1:
         node.at("kv_threshold").report(f"must be a fraction in (0, 1], got {kv!r}")
         kv = d.kv_threshold
+    max_requests = node.integer("max_requests", d.max_requests, ge=0)
+    pool_reserve = node.integer("pool_reserve", d.pool_reserve, ge=0)
+    if pool_reserve and not max_requests:
+        # The reserve is counted in request slots: without a request limit there are none.
+        node.at("pool_reserve").report("needs admission.max_requests > 0 (it counts request slots)")
+        pool_reserve = d.pool_reserve
     return SaturationDetector(
         queue_threshold=node.integer("queue_threshold", d.queue_threshold, ge=1),
         kv_threshold=kv,
         stale_seconds=node.real("stale_seconds", d.stale_seconds),
-        max_requests=node.integer("max_requests", d.max_requests, ge=0),
+        max_requests=max_requests,
         max_tokens=node.integer("max_tokens", d.max_tokens, ge=0),
         sheddable_reserve=_fraction(node, "sheddable_reserve", d.sheddable_reserve),
+        pool_reserve=pool_reserve,
     )
 
 

@@ -17,6 +17,13 @@ sees an endpoint as full at ``(1 - reserve) x`` the limits. The in-flight counts
 every epp of a group (Redis), so the reserve holds across processes although each process
 queues its own requests: critical traffic entering through one epp finds room that batch traffic
 entering through another cannot take.
+
+``pool_reserve`` is the same idea for the pool as a whole, counted in requests: sheddable work
+may fill an endpoint up to its whole ``max_requests`` as long as the pool keeps room for
+``pool_reserve`` more requests on endpoints that are otherwise not full. A per-endpoint
+reserve leaves every endpoint's share empty at once (a fleet held at ``(1 - reserve)`` of its
+KV); a pool reserve leaves free only the slots it names, wherever they are, and routing sends
+critical work there (docs/admission.md; docs/overload.md measures what it costs critical).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class SaturationDetector:
     max_requests: int = 0
     max_tokens: int = 0
     sheddable_reserve: float = 0.0
+    pool_reserve: int = 0
 
     def endpoint_full(
         self,
@@ -67,8 +75,28 @@ class SaturationDetector:
         load: Callable[[str], Load] | None = None,
         sheddable: bool = False,
     ) -> bool:
-        """Every candidate is full (an empty pool, scaling from zero, is saturated too)."""
+        """Every candidate is full (an empty pool, scaling from zero, is saturated too); for
+        sheddable work also when the pool's room is down to ``pool_reserve``."""
+        if (
+            sheddable
+            and self.pool_reserve
+            and load is not None
+            and self.room(candidates, now, load) <= self.pool_reserve
+        ):
+            return True
         return all(
             self.endpoint_full(c, now, None if load is None else load(c.address), sheddable)
             for c in candidates
         )
+
+    def room(
+        self, candidates: Sequence[EndpointState], now: float, load: Callable[[str], Load]
+    ) -> int:
+        """Requests of priority >= 0 the pool could still take under ``max_requests``: the free
+        slots of every endpoint that is not full for them (utilisation, staleness, tokens)."""
+        free = 0
+        for c in candidates:
+            current = load(c.address)
+            if not self.endpoint_full(c, now, current):
+                free += self.max_requests - current.requests
+        return free

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -98,3 +99,36 @@ def test_concurrency_limits_and_the_reserve_for_priority_at_least_zero() -> None
     assert not detector.endpoint_full(ep(), NOW, Load(requests=5, tokens=10), sheddable=True)
     # 0 turns a limit off.
     assert not SaturationDetector().endpoint_full(ep(), NOW, Load(requests=10_000, tokens=10**9))
+
+
+def test_a_pool_reserve_lets_batch_fill_endpoints_while_the_pool_keeps_room() -> None:
+    detector = SaturationDetector(max_requests=4, pool_reserve=2)
+    a, b = (EndpointState(addr, "p", True, EndpointMetrics(), NOW) for addr in ("a", "b"))
+    loads = {"a": Load(requests=4), "b": Load(requests=1)}
+
+    def load(address: str) -> Load:
+        return loads[address]
+
+    # a is full to its whole limit (no per-endpoint share held back); b has 3 free slots.
+    assert detector.room([a, b], NOW, load) == 3
+    assert not detector.saturated([a, b], NOW, load, sheddable=True)
+    loads["b"] = Load(requests=2)
+    # Two slots left in the pool: they are the reserve, so batch waits and critical does not.
+    assert detector.saturated([a, b], NOW, load, sheddable=True)
+    assert not detector.saturated([a, b], NOW, load)
+    # An endpoint that is full for critical work (stale metrics) offers no room to reserve.
+    loads["b"] = Load(requests=0)
+    assert not detector.saturated([a, b], NOW, load, sheddable=True)
+    stale = dataclasses.replace(b, scraped_at=NOW - 60)
+    assert detector.room([a, stale], NOW, load) == 0
+    assert detector.saturated([a, stale], NOW, load, sheddable=True)
+
+
+def test_pool_reserve_is_validated_and_needs_a_request_limit() -> None:
+    base = {"models": {"m": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127.0.0.1:1"]}}}
+    config = parse_config({**base, "admission": {"max_requests": 6, "pool_reserve": 1}})
+    assert config.admission.pool_reserve == 1
+    with pytest.raises(ValueError, match=r"admission\.pool_reserve: needs admission\.max_requests"):
+        parse_config({**base, "admission": {"pool_reserve": 1}})
+    with pytest.raises(ValueError, match=r"admission\.pool_reserve: must be an integer >= 0"):
+        parse_config({**base, "admission": {"max_requests": 6, "pool_reserve": -1}})

@@ -177,3 +177,21 @@ async def test_an_ejected_endpoint_has_no_room() -> None:
     ejected = Verdict("127.0.0.1:8001", "main", time.time() + 60, 1, "test")
     router.fleet.health.apply([ejected])
     assert router.pool_saturated("tiny")
+
+
+async def test_a_pool_reserve_keeps_the_last_slot_for_critical_wherever_it_is() -> None:
+    router = await _fresh_router({"max_requests": 2, "pool_reserve": 1})
+    router.fleet.inflight.add("127.0.0.1:8002", 10)
+    router.fleet.inflight.add("127.0.0.1:8002", 10)
+    # 8002 is full to its whole limit; 8001's two slots are room, one more than the reserve.
+    assert not router.pool_saturated("tiny", sheddable=True)
+    batch = InferenceRequest("b", "/v1/completions", "completions", "tiny", "hi", priority=-1)
+    decision, _ = router.route(batch)
+    assert decision.endpoints[0].address == "127.0.0.1:8001"
+    # The last slot is the reserve: batch is held, critical still goes there.
+    assert router.pool_saturated("tiny", sheddable=True)
+    assert not router.pool_saturated("tiny")
+    critical = InferenceRequest("c", "/v1/completions", "completions", "tiny", "hi", priority=10)
+    decision, _ = router.route(critical)
+    assert decision.endpoints[0].address == "127.0.0.1:8001"
+    assert router.pool_saturated("tiny")
