@@ -46,7 +46,7 @@ def shipped_profiles() -> dict[str, Shipped]:
     ``scheduling.plugins`` declarations and its list."""
     found: dict[str, Shipped] = {"epp.config.DEFAULT_PROFILE": ([], DEFAULT_PROFILE)}
     sources: list[tuple[str, Any]] = []
-    for path in sorted((ROOT / "benchmarks" / "profiles").glob("*.yaml")):
+    for path in sorted((ROOT / "benchmarks" / "profiles").rglob("*.yaml")):
         sources.append((path.name, yaml.safe_load(path.read_text()).get("epp")))
     for path in sorted((ROOT / "envoy").glob("*epp*.yaml")):
         sources.append((path.name, yaml.safe_load(path.read_text())))
