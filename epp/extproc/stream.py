@@ -290,9 +290,9 @@ class StreamHandler:
         once the answers of a message are sent; idempotent."""
         if self._response_ended is not None:
             self.close(complete=True, at=self._response_ended)
-        work, self._deferred = self._deferred, []
-        if not work:
+        if not self._deferred:  # called after every message: most have nothing held back
             return
+        work, self._deferred = self._deferred, []
         with recording(self._router.fleet.prefix) as learned:
             for task in work:
                 try:
