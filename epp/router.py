@@ -95,6 +95,11 @@ class Router:
             (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
             LatencyTarget(),
         )
+        # The target of a request without latency headers, by objective ('' for none).
+        self._objective_targets = {
+            name: _merged(self._default_target, config.request.objective_targets.get(name))
+            for name in ("", *config.request.objective_targets)
+        }
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
@@ -353,23 +358,18 @@ class Router:
     def _target(self, request: InferenceRequest, config: Config) -> LatencyTarget | None:
         """The request's latency targets, each kind (TTFT, TPOT) from the first source that
         sets it: a trusted caller's header, the request's objective, the profile's default
-        (the latency-target-filter's); None when no source sets any."""
-        trusted = config.request.trusted_headers
-        headers = request.headers
+        (the latency-target-filter's); None when no source sets any. Without headers the
+        answer depends on the objective alone: merged once per configuration."""
+        ttft = tpot = None
+        if config.request.trusted_headers:
+            headers = request.headers
+            ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
+            tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
+        if ttft is None and tpot is None:
+            targets = self._objective_targets
+            return targets.get(request.objective, targets[""])
         objective = config.request.objective_targets.get(request.objective, LatencyTarget())
-        default = self._default_target
-        ttft = _first(
-            _header_seconds(headers.get(SLO_TTFT_HEADER)) if trusted else None,
-            objective.ttft,
-            default.ttft,
-        )
-        tpot = _first(
-            _header_seconds(headers.get(SLO_TPOT_HEADER)) if trusted else None,
-            objective.tpot,
-            default.tpot,
-        )
-        target = LatencyTarget(ttft, tpot)
-        return target if target else None
+        return _merged(self._default_target, objective, ttft, tpot)
 
     def _capacities(self, config: Config) -> Mapping[str, float]:
         """Endpoint capacities for scorers: configured weights, and where a pool gives none
@@ -485,6 +485,21 @@ def _header_seconds(raw: str | None) -> float | None:
     except ValueError:
         return None
     return value / 1000 if math.isfinite(value) and value > 0 else None
+
+
+def _merged(
+    default: LatencyTarget,
+    objective: LatencyTarget | None,
+    ttft: float | None = None,
+    tpot: float | None = None,
+) -> LatencyTarget | None:
+    """Each kind from the first that sets it: the headers' ``ttft``/``tpot``, the objective's,
+    the profile default's; None when none sets any."""
+    objective = objective or LatencyTarget()
+    target = LatencyTarget(
+        _first(ttft, objective.ttft, default.ttft), _first(tpot, objective.tpot, default.tpot)
+    )
+    return target if target else None
 
 
 def _first(*values: float | None) -> float | None:

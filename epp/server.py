@@ -30,6 +30,7 @@ from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load
 from epp.discovery import Discovery, DiscoveryOptions
 from epp.extproc.health import Health
 from epp.extproc.servicer import ExtProcServicer
+from epp.gc_tuning import settle_heap
 from epp.metrics.pool_gauges import PoolGauges
 from epp.observability import CONFIG_RELOADS, CONFIG_RESTART_REQUIRED
 from epp.prefix.invalidation import CacheInvalidator
@@ -97,7 +98,9 @@ class Server:
     ``config`` is what runs (command-line overrides applied), ``loaded`` the file as read at
     start (default: ``config``): a reload compares restart-only sections with the file, so an
     override is not reported as a change on every reload. ``discovery``: command-line additions
-    to endpoint discovery (--pool-name, --eds-dir).
+    to endpoint discovery (--pool-name, --eds-dir). ``own_process``: the process is this
+    server's alone (``epp serve``), so once started it tunes the garbage collector for serving
+    (:mod:`epp.gc_tuning`); a test or an embedding keeps its interpreter's settings.
     """
 
     def __init__(
@@ -107,8 +110,10 @@ class Server:
         *,
         loaded: Config | None = None,
         discovery: DiscoveryOptions | None = None,
+        own_process: bool = False,
     ) -> None:
         self.config_path = config_path
+        self._own_process = own_process
         self._loaded = loaded if loaded is not None else config
         # Restart-only section -> the file's value last reported as not applied.
         self._reported: dict[str, object] = {}
@@ -199,6 +204,9 @@ class Server:
         await self._grpc.start()
         await self._health_grpc.start()
         await self.health.start()
+        if self._own_process:
+            # Everything above lives as long as the process: out of the collector's way.
+            settle_heap()
         log.info(
             "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
             host,
@@ -368,10 +376,11 @@ def serve(
     loaded: Config | None = None,
     discovery: DiscoveryOptions | None = None,
 ) -> int:
+    server = Server(config_path, config, loaded=loaded, discovery=discovery, own_process=True)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is optional on exotic platforms
-        asyncio.run(Server(config_path, config, loaded=loaded, discovery=discovery).run())
+        asyncio.run(server.run())
     else:
-        uvloop.run(Server(config_path, config, loaded=loaded, discovery=discovery).run())
+        uvloop.run(server.run())
     return 0

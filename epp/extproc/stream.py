@@ -74,6 +74,8 @@ log = logging.getLogger("epp.extproc")
 _USAGE_OPTION_APIS = ("completions", "chat")
 
 Response = ext_proc_pb2.ProcessingResponse
+# Headers epp acts on, removed before the request goes upstream.
+_REMOVED = (*CONTROL_HEADERS, EXPLAIN)
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
@@ -288,9 +290,9 @@ class StreamHandler:
         once the answers of a message are sent; idempotent."""
         if self._response_ended is not None:
             self.close(complete=True, at=self._response_ended)
-        work, self._deferred = self._deferred, []
-        if not work:
+        if not self._deferred:  # called after every message: most have nothing held back
             return
+        work, self._deferred = self._deferred, []
         with recording(self._router.fleet.prefix) as learned:
             for task in work:
                 try:
@@ -474,7 +476,7 @@ class StreamHandler:
         self._request = request
         child(OBJECTIVE_REQUESTS, request.model, request.model).inc()
         destination = ",".join(e.address for e in decision.endpoints)
-        remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
+        remove = _present(self._headers, _REMOVED)
         scores = None
         routing = self._router.config.routing
         if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
@@ -506,7 +508,7 @@ class StreamHandler:
         self.pick = PickRecord(self._router.spill(request, overflow))
         self._spilled = overflow
         self._request = request
-        remove = [h for h in _present(self._headers, (*CONTROL_HEADERS, EXPLAIN)) if h != OVERFLOW]
+        remove = [h for h in _present(self._headers, _REMOVED) if h != OVERFLOW]
         if self._full_duplex:
             size = sum(map(len, chunks))
             return (
@@ -527,7 +529,7 @@ class StreamHandler:
             return (self._refuse(error),)
         self.pick = PickRecord(ticket)
         self._passing = True
-        remove = _present(self._headers, (*CONTROL_HEADERS, EXPLAIN))
+        remove = _present(self._headers, _REMOVED)
         return (responses.route_in_headers(ticket.endpoint, remove, None),)
 
     def _header_only(self) -> Response:
@@ -581,7 +583,8 @@ def _span_attributes(outcome: Outcome) -> dict[str, object]:
 
 def _read_headers(message: ext_proc_pb2.HttpHeaders, into: dict[str, str]) -> dict[str, str]:
     for h in message.headers.headers:
-        into[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        raw = h.raw_value  # each read copies the bytes out of the message
+        into[h.key] = raw.decode("utf-8", "replace") if raw else h.value
     return into
 
 

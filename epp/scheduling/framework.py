@@ -195,7 +195,12 @@ class Decision:
 
 @dataclass(slots=True)
 class Profile:
-    """A named pipeline, in execution order (:mod:`epp.scheduling.builder` orders it)."""
+    """A named pipeline, in execution order (:mod:`epp.scheduling.builder` orders it).
+
+    Built once per configuration, run once per request: construction pairs every plugin with
+    the list its durations go to, so a run is flat loops over those pairs with one clock read
+    per plugin (the plugins stay separate registered types; only their timing is bound here).
+    """
 
     name: str
     filters: list[Filter]
@@ -206,9 +211,14 @@ class Profile:
     producers: list[Producer] = field(default_factory=list)
     derived: list[Derived[Any]] = field(default_factory=list)
     clock: PluginClock = field(init=False)
+    _producers: list[tuple[Producer, list[float]]] = field(init=False)
+    _filters: list[tuple[Filter, list[float]]] = field(init=False)
+    _scorers: list[tuple[Scorer, float, list[float]]] = field(init=False)
+    _picker: list[float] = field(init=False)
+    _post_pick: list[tuple[PostPick, list[float]]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.clock = PluginClock(
+        clock = self.clock = PluginClock(
             [
                 *(("producer", p) for p in self.producers),
                 *(("filter", f) for f in self.filters),
@@ -217,17 +227,31 @@ class Profile:
                 *(("post_pick", h) for h in self.post_pick),
             ]
         )
+        self._producers = [(p, clock.sink("producer", p)) for p in self.producers]
+        self._filters = [(f, clock.sink("filter", f)) for f in self.filters]
+        self._scorers = [(s, w, clock.sink("scorer", s)) for s, w in self.scorers]
+        self._picker = clock.sink("picker", self.picker)
+        self._post_pick = [(h, clock.sink("post_pick", h)) for h in self.post_pick]
 
     def produce(
-        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle: Cycle,
+        laps: list[Lap] | None = None,
     ) -> None:
         """The data step: every producer once, in dependency order, then derived keys."""
-        for producer in self.producers:
+        now = time.perf_counter
+        last = now()
+        for producer, sink in self._producers:
             producer.produce(request, candidates, cycle)
-            self.clock.lap("producer", producer)
+            end = now()
+            sink.append(end - last)
+            if laps is not None:
+                laps.append(("producer", producer, last, end))
+            last = end
         for rule in self.derived:
             cycle.put(rule.key, rule.compute(cycle))
-        self.clock.mark()
 
     def run(
         self,
@@ -242,53 +266,69 @@ class Profile:
         """Choose up to ``count`` endpoints. The post-pick hooks run before returning, or, with
         ``defer``, are appended to it as one task for the caller to run once its answer is out
         (they only update what later decisions read). ``laps`` (a traced request's) receives
-        each plugin's start and end, the deferred hooks' included."""
-        clock = self.clock
-        clock.start(laps)
-        self.produce(request, candidates, cycle)
-        for f in self.filters:
+        each plugin's start and end, the deferred hooks' included. Each plugin's share is the
+        time since the previous one ended (the derived keys' work belongs to none)."""
+        now = time.perf_counter
+        started = now()
+        self.produce(request, candidates, cycle, laps)
+        last = now()
+        for f, sink in self._filters:
             candidates = f.filter(request, candidates, cycle)
-            clock.lap("filter", f)
+            end = now()
+            sink.append(end - last)
+            if laps is not None:
+                laps.append(("filter", f, last, end))
+            last = end
             if not candidates:
-                clock.stop()
+                self.clock.stop(started)
                 why = {"filtered-out-by": {f.name: 0.0}} if explain else None
                 return Decision([], why, f.refusal(request, cycle))
         totals = [0.0] * len(candidates)
         breakdown: dict[str, dict[str, float]] | None = (
             {c.address: {} for c in candidates} if explain else None
         )
-        for scorer, weight in self.scorers:
+        for scorer, weight, sink in self._scorers:
             scores = scorer.score(request, candidates, cycle)
-            for i, s in enumerate(scores):
-                totals[i] += weight * s
+            totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
             if breakdown is not None:
                 for c, s in zip(candidates, scores, strict=True):
                     breakdown[c.address][scorer.name] = round(weight * s, 4)
-            clock.lap("scorer", scorer)
+            end = now()
+            sink.append(end - last)
+            if laps is not None:
+                laps.append(("scorer", scorer, last, end))
+            last = end
         if breakdown is not None:
             for c, t in zip(candidates, totals, strict=True):
                 breakdown[c.address]["total"] = round(t, 4)
         chosen = self.picker.pick(candidates, totals, count)
-        clock.lap("picker", self.picker)
-        if chosen and self.post_pick:
+        end = now()
+        self._picker.append(end - last)
+        if laps is not None:
+            laps.append(("picker", self.picker, last, end))
+        if chosen and self._post_pick:
             if defer is None:
-                self._post_pick(request, chosen[0], cycle, laps)
+                self._run_post_pick(request, chosen[0], cycle, laps)
             else:
-                defer.append(partial(self._post_pick, request, chosen[0], cycle, laps))
-        clock.stop()
+                defer.append(partial(self._run_post_pick, request, chosen[0], cycle, laps))
+        self.clock.stop(started)
         return Decision(chosen, breakdown)
 
-    def _post_pick(
+    def _run_post_pick(
         self,
         request: InferenceRequest,
         chosen: EndpointState,
         cycle: Cycle,
         laps: list[Lap] | None,
     ) -> None:
-        clock = self.clock
-        # Deferred, another request's run may have started on this clock since: the laps go
-        # to the trace of the run that picked.
-        clock.resume(laps)
-        for hook in self.post_pick:
+        # Deferred, other runs may have happened since: timed from here, the laps going to the
+        # trace of the run that picked.
+        now = time.perf_counter
+        last = now()
+        for hook, sink in self._post_pick:
             hook.on_pick(request, chosen, cycle)
-            clock.lap("post_pick", hook)
+            end = now()
+            sink.append(end - last)
+            if laps is not None:
+                laps.append(("post_pick", hook, last, end))
+            last = end
