@@ -37,7 +37,7 @@ class RealVllm:
     log_path: Path  # server log, handy in assertion messages
 
 
-def _skip_reason() -> str | None:
+def skip_reason() -> str | None:
     if os.environ.get("EPP_CONTRACT") != "1":
         return "real-vLLM contract tier is opt-in: set EPP_CONTRACT=1"
     if not venv_ready():
@@ -50,7 +50,7 @@ def _skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def real_vllm() -> Iterator[RealVllm]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
     with start_vllm(lora=True, dev_mode=True) as srv:

@@ -1,0 +1,188 @@
+"""`--scheduling-policy priority` on a real vLLM 0.32 and on `epp sim` started the same way.
+
+One scenario runs on three servers, one after the other (the box has 2 shared cores): a real
+vLLM started with `--scheduling-policy priority --max-num-seqs 1`, a simulator replica with the
+same flags and the real server's cache geometry, and a simulator replica left at fcfs (the
+control: it shows that the ordering assertion can fail).
+
+The scenario: a long low-priority request (priority 10) takes the only running slot; while it
+decodes, four requests are queued one at a time with priorities 5, 0, 5, -1 (each is sent only
+once /metrics counts the one before it as waiting, so their arrival order is certain). Every
+request streams and the client records when its first and last tokens arrive.
+
+What must hold on both the real vLLM and the simulator:
+- the queued requests start in priority order (lower first), ties by arrival: -1, 0, then the
+  two 5s in the order they arrived (fcfs starts them in arrival order);
+- none of them starts before the running request's last token, the -1 one included: a waiting
+  request never preempts a running one (vLLM admits waiting requests only into free slots and
+  stops at max_num_seqs; vLLM issue #40004), and vllm:num_preemptions does not move.
+
+Only orders are asserted, never durations. Consecutive starts are a whole request apart (a
+256-token prefill plus 24 decoded tokens, over 100 ms on this CPU), far above the jitter of the
+client's threads; the long request decodes 1200 tokens (~4 s) while the queue fills in well
+under a second, and the scenario fails loudly if it finished first.
+
+Runs only with EPP_CONTRACT=1 (conftest.py). Cost: a second vLLM start (~35 s) plus ~6 s per
+server for the scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+from calibrate import SEED, Target, metrics, random_tokens, sim_like, wait_idle
+from conftest import skip_reason
+from vllm_server import start_vllm
+
+from epp.state.snapshot import EndpointMetrics
+
+pytestmark = pytest.mark.contract
+
+PRIORITY_FLAGS = ["--scheduling-policy", "priority"]
+MAX_NUM_SEQS = 1
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    priority: int
+    prompt_len: int
+    max_tokens: int
+
+
+RUNNING = Job("running", 10, 16, 1200)
+QUEUED = (Job("a", 5, 256, 24), Job("b", 0, 256, 24), Job("c", 5, 256, 24), Job("d", -1, 256, 24))
+BY_PRIORITY = ["d", "b", "a", "c"]
+BY_ARRIVAL = ["a", "b", "c", "d"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """When a streamed completion's first and last tokens reached the client (monotonic s)."""
+
+    first: float
+    last: float
+
+
+def _stream(target: Target, job: Job, prompt: list[int]) -> Stream:
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": job.max_tokens,
+        "priority": job.priority,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        target.base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            # Every chunk with a choice carries one token (its text may be empty: random weights).
+            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.monotonic())
+    assert times, f"{target.name}: no token streamed for {job.name}"
+    return Stream(times[0], times[-1])
+
+
+def _until(target: Target, ok: Callable[[EndpointMetrics], bool], what: str) -> EndpointMetrics:
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(target)
+        if ok(m):
+            return m
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target.name}: {what} not seen in 60 s (last: {m})")
+        time.sleep(0.02)
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    target: str
+    streams: dict[str, Stream]
+    queued: EndpointMetrics  # /metrics once all four requests were queued
+    preemptions: float
+
+    def start_order(self) -> list[str]:
+        return sorted((j.name for j in QUEUED), key=lambda n: self.streams[n].first)
+
+    def table(self) -> str:
+        """Times relative to the running request's first token, for assertion messages."""
+        t0 = self.streams[RUNNING.name].first
+        return f"\n{self.target}:\n" + "\n".join(
+            f"  {name:8} first {s.first - t0:7.3f} s  last {s.last - t0:7.3f} s"
+            for name, s in sorted(self.streams.items(), key=lambda kv: kv[1].first)
+        )
+
+
+def run_scenario(target: Target) -> ScenarioResult:
+    rng = random.Random(SEED)
+    before = wait_idle(target)
+    prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (RUNNING, *QUEUED)}
+    with ThreadPoolExecutor(1 + len(QUEUED)) as pool:
+        futures = {RUNNING.name: pool.submit(_stream, target, RUNNING, prompts[RUNNING.name])}
+        _until(target, lambda m: m.running == 1, "the long request running")
+        for i, job in enumerate(QUEUED, 1):
+            futures[job.name] = pool.submit(_stream, target, job, prompts[job.name])
+            _until(target, lambda m, n=i: m.waiting == n, f"{i} requests waiting")
+        queued = metrics(target)
+        if futures[RUNNING.name].done():
+            raise RuntimeError(
+                f"{target.name}: the long request finished before the queue filled; the "
+                "scenario tests nothing (raise RUNNING.max_tokens)"
+            )
+        streams = {name: f.result(timeout=180) for name, f in futures.items()}
+    after = wait_idle(target)
+    return ScenarioResult(target.name, streams, queued, after.preemptions - before.preemptions)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, ScenarioResult]:
+    """The scenario on a real vLLM started with the priority policy, then on two simulator
+    replicas configured like it (priority, and fcfs as the control)."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    flags = [*PRIORITY_FLAGS, "--max-num-seqs", str(MAX_NUM_SEQS)]
+    with start_vllm(extra_args=flags) as srv:
+        real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
+        out = {"vllm": run_scenario(real)}
+        for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
+            with sim_like(real, max_num_seqs=MAX_NUM_SEQS, extra_args=extra) as sim:
+                out[name] = run_scenario(sim)
+    return out
+
+
+def test_one_runs_and_four_wait_on_every_server(results: dict[str, ScenarioResult]) -> None:
+    for r in results.values():
+        assert (r.queued.running, r.queued.waiting) == (1, len(QUEUED)), r.target
+
+
+def test_queued_requests_start_by_priority_then_arrival(
+    results: dict[str, ScenarioResult],
+) -> None:
+    tables = "".join(r.table() for r in results.values())
+    assert results["vllm"].start_order() == BY_PRIORITY, tables
+    assert results["sim"].start_order() == BY_PRIORITY, tables
+    assert results["sim-fcfs"].start_order() == BY_ARRIVAL, tables
+
+
+def test_a_waiting_request_never_preempts_the_running_one(
+    results: dict[str, ScenarioResult],
+) -> None:
+    for name in ("vllm", "sim"):
+        r = results[name]
+        first_start = min(r.streams[j.name].first for j in QUEUED)
+        assert first_start > r.streams[RUNNING.name].last, r.table()
+        assert r.preemptions == 0, r.target
