@@ -10,6 +10,8 @@ One server per session, started lazily by the first test that asks for `real_vll
 started with LoRA enabled (adapter `tiny-lora`) and VLLM_SERVER_DEV_MODE=1 (for
 `/reset_prefix_cache` -> AllBlocksCleared), so a single engine covers every contract; base-model
 requests behave exactly as on a LoRA-less server (same block hashes, same counters).
+test_priority_contract.py starts servers of its own (other scheduler flags) with
+`vllm_server.start_vllm(extra_args=...)`.
 """
 
 from __future__ import annotations

@@ -17,13 +17,20 @@ What must hold on both the real vLLM and the simulator:
   request never preempts a running one (vLLM admits waiting requests only into free slots and
   stops at max_num_seqs; vLLM issue #40004), and vllm:num_preemptions does not move.
 
+A second scenario, on a real vLLM started with `--scheduling-policy priority --max-num-seqs 2`
+and a 96-block KV cache (and the two simulator replicas again): a low-priority request is
+admitted, then a high-priority one of the same length; when a running request needs a block
+and none is free, the victim must be the lowest-priority running request (the one admitted
+first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
+
 Only orders are asserted, never durations. Consecutive starts are a whole request apart (a
 256-token prefill plus 24 decoded tokens, over 100 ms on this CPU), far above the jitter of the
 client's threads; the long request decodes 1200 tokens (~4 s) while the queue fills in well
-under a second, and the scenario fails loudly if it finished first.
+under a second, and the scenario fails loudly if it finished first. Under KV pressure the
+blocks run out ~480 tokens before either request would finish.
 
-Runs only with EPP_CONTRACT=1 (conftest.py). Cost: a second vLLM start (~35 s) plus ~6 s per
-server for the scenario.
+Runs only with EPP_CONTRACT=1 (conftest.py). Each scenario starts its own vLLM (~35 s) and
+stops it at the end of the module.
 """
 
 from __future__ import annotations
@@ -186,3 +193,67 @@ def test_a_waiting_request_never_preempts_the_running_one(
         first_start = min(r.streams[j.name].first for j in QUEUED)
         assert first_start > r.streams[RUNNING.name].last, r.table()
         assert r.preemptions == 0, r.target
+
+
+# --------------------------------------------------------------------------- KV pressure
+# 6 MiB of KV cache: 96 blocks of 32 tokens, 95 usable (vLLM keeps a null block) = 3,040
+# tokens, still above max_model_len (2,048) so vLLM starts. Two running 2,000-token requests
+# need 126 blocks: they run out when each has decoded ~520 tokens, far from either's end.
+KV_MAX_NUM_SEQS = 2
+KV_FLAGS = ["--max-num-seqs", str(KV_MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(6 * 1024 * 1024)]
+LOW = Job("low", 10, 1000, 1000)
+HIGH = Job("high", 0, 1000, 1000)
+
+
+@dataclass(frozen=True)
+class PressureResult:
+    target: str
+    streams: dict[str, Stream]
+    preemptions: float
+
+    def finish_order(self) -> list[str]:
+        return sorted(self.streams, key=lambda n: self.streams[n].last)
+
+
+def run_kv_pressure(target: Target) -> PressureResult:
+    """The low-priority request is admitted first, the high-priority one right after; both
+    decode until a running request needs a block and none is free."""
+    rng = random.Random(SEED + 1)
+    prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (LOW, HIGH)}
+    before = wait_idle(target)
+    with ThreadPoolExecutor(2) as pool:
+        low = pool.submit(_stream, target, LOW, prompts[LOW.name])
+        _until(target, lambda m: m.running == 1, "the low-priority request running")
+        high = pool.submit(_stream, target, HIGH, prompts[HIGH.name])
+        _until(target, lambda m: m.running == 2, "both requests running")
+        streams = {LOW.name: low.result(timeout=300), HIGH.name: high.result(timeout=300)}
+    after = wait_idle(target)
+    return PressureResult(target.name, streams, after.preemptions - before.preemptions)
+
+
+@pytest.fixture(scope="module")
+def pressure() -> dict[str, PressureResult]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with start_vllm(extra_args=[*PRIORITY_FLAGS, *KV_FLAGS]) as srv:
+        real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
+        out = {"vllm": run_kv_pressure(real)}
+        for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
+            with sim_like(real, max_num_seqs=KV_MAX_NUM_SEQS, extra_args=extra) as sim:
+                out[name] = run_kv_pressure(sim)
+    return out
+
+
+def test_kv_pressure_preempts_the_lowest_priority_running_request(
+    pressure: dict[str, PressureResult],
+) -> None:
+    """Under priority the victim is the low-priority request although it was admitted first:
+    the high-priority one finishes first, the victim is recomputed after it. fcfs preempts the
+    last admitted (the high-priority one), so the low-priority one finishes first."""
+    seen = {n: (r.finish_order(), r.preemptions) for n, r in pressure.items()}
+    for r in pressure.values():
+        assert r.preemptions >= 1, seen
+    assert pressure["vllm"].finish_order() == [HIGH.name, LOW.name], seen
+    assert pressure["sim"].finish_order() == [HIGH.name, LOW.name], seen
+    assert pressure["sim-fcfs"].finish_order() == [LOW.name, HIGH.name], seen
