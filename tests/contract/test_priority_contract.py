@@ -114,6 +114,16 @@ def _until(target: Target, ok: Callable[[EndpointMetrics], bool], what: str) -> 
         time.sleep(0.02)
 
 
+def _table(target: str, streams: dict[str, Stream]) -> str:
+    """Token times relative to the first request's first token, for assertion messages and
+    the `pytest -rA` report."""
+    t0 = min(s.first for s in streams.values())
+    return f"\n{target}:\n" + "\n".join(
+        f"  {name:8} first {s.first - t0:7.3f} s  last {s.last - t0:7.3f} s"
+        for name, s in sorted(streams.items(), key=lambda kv: kv[1].first)
+    )
+
+
 @dataclass(frozen=True)
 class ScenarioResult:
     target: str
@@ -125,12 +135,7 @@ class ScenarioResult:
         return sorted((j.name for j in QUEUED), key=lambda n: self.streams[n].first)
 
     def table(self) -> str:
-        """Times relative to the running request's first token, for assertion messages."""
-        t0 = self.streams[RUNNING.name].first
-        return f"\n{self.target}:\n" + "\n".join(
-            f"  {name:8} first {s.first - t0:7.3f} s  last {s.last - t0:7.3f} s"
-            for name, s in sorted(self.streams.items(), key=lambda kv: kv[1].first)
-        )
+        return _table(self.target, self.streams)
 
 
 def run_scenario(target: Target) -> ScenarioResult:
@@ -168,6 +173,7 @@ def results() -> dict[str, ScenarioResult]:
         for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
             with sim_like(real, max_num_seqs=MAX_NUM_SEQS, extra_args=extra) as sim:
                 out[name] = run_scenario(sim)
+    print("".join(r.table() for r in out.values()))
     return out
 
 
@@ -214,6 +220,9 @@ class PressureResult:
     def finish_order(self) -> list[str]:
         return sorted(self.streams, key=lambda n: self.streams[n].last)
 
+    def table(self) -> str:
+        return _table(self.target, self.streams) + f"\n  preemptions {self.preemptions:.0f}"
+
 
 def run_kv_pressure(target: Target) -> PressureResult:
     """The low-priority request is admitted first, the high-priority one right after; both
@@ -242,6 +251,7 @@ def pressure() -> dict[str, PressureResult]:
         for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
             with sim_like(real, max_num_seqs=KV_MAX_NUM_SEQS, extra_args=extra) as sim:
                 out[name] = run_kv_pressure(sim)
+    print("".join(r.table() for r in out.values()))
     return out
 
 
@@ -251,7 +261,7 @@ def test_kv_pressure_preempts_the_lowest_priority_running_request(
     """Under priority the victim is the low-priority request although it was admitted first:
     the high-priority one finishes first, the victim is recomputed after it. fcfs preempts the
     last admitted (the high-priority one), so the low-priority one finishes first."""
-    seen = {n: (r.finish_order(), r.preemptions) for n, r in pressure.items()}
+    seen = "".join(r.table() for r in pressure.values())
     for r in pressure.values():
         assert r.preemptions >= 1, seen
     assert pressure["vllm"].finish_order() == [HIGH.name, LOW.name], seen
