@@ -42,6 +42,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
 from calibrate import SEED, Target, metrics, random_tokens, sim_like, wait_idle
@@ -54,6 +55,7 @@ pytestmark = pytest.mark.contract
 
 PRIORITY_FLAGS = ["--scheduling-policy", "priority"]
 MAX_NUM_SEQS = 1
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -159,20 +161,28 @@ def run_scenario(target: Target) -> ScenarioResult:
     return ScenarioResult(target.name, streams, queued, after.preemptions - before.preemptions)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, ScenarioResult]:
-    """The scenario on a real vLLM started with the priority policy, then on two simulator
-    replicas configured like it (priority, and fcfs as the control)."""
+def on_three_servers(
+    run: Callable[[Target], R], max_num_seqs: int, flags: list[str] | None = None
+) -> dict[str, R]:
+    """`run` on a real vLLM started with the priority policy, max_num_seqs and flags, then on
+    two simulator replicas configured like it (priority, and fcfs as the control), one server
+    after the other (the box has 2 shared cores)."""
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    flags = [*PRIORITY_FLAGS, "--max-num-seqs", str(MAX_NUM_SEQS)]
-    with start_vllm(extra_args=flags) as srv:
+    vllm_flags = [*PRIORITY_FLAGS, "--max-num-seqs", str(max_num_seqs), *(flags or [])]
+    with start_vllm(extra_args=vllm_flags) as srv:
         real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
-        out = {"vllm": run_scenario(real)}
+        out = {"vllm": run(real)}
         for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
-            with sim_like(real, max_num_seqs=MAX_NUM_SEQS, extra_args=extra) as sim:
-                out[name] = run_scenario(sim)
+            with sim_like(real, max_num_seqs=max_num_seqs, extra_args=extra) as sim:
+                out[name] = run(sim)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, ScenarioResult]:
+    out = on_three_servers(run_scenario, MAX_NUM_SEQS)
     print("".join(r.table() for r in out.values()))
     return out
 
@@ -206,7 +216,7 @@ def test_a_waiting_request_never_preempts_the_running_one(
 # tokens, still above max_model_len (2,048) so vLLM starts. Two running 2,000-token requests
 # need 126 blocks: they run out when each has decoded ~520 tokens, far from either's end.
 KV_MAX_NUM_SEQS = 2
-KV_FLAGS = ["--max-num-seqs", str(KV_MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(6 * 1024 * 1024)]
+KV_FLAGS = ["--kv-cache-memory-bytes", str(6 * 1024 * 1024)]
 LOW = Job("low", 10, 1000, 1000)
 HIGH = Job("high", 0, 1000, 1000)
 
@@ -242,15 +252,7 @@ def run_kv_pressure(target: Target) -> PressureResult:
 
 @pytest.fixture(scope="module")
 def pressure() -> dict[str, PressureResult]:
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with start_vllm(extra_args=[*PRIORITY_FLAGS, *KV_FLAGS]) as srv:
-        real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
-        out = {"vllm": run_kv_pressure(real)}
-        for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
-            with sim_like(real, max_num_seqs=KV_MAX_NUM_SEQS, extra_args=extra) as sim:
-                out[name] = run_kv_pressure(sim)
+    out = on_three_servers(run_kv_pressure, KV_MAX_NUM_SEQS, KV_FLAGS)
     print("".join(r.table() for r in out.values()))
     return out
 
