@@ -835,8 +835,9 @@ same frames, field order and values, the same messages (event types and block co
 sequential phase, gap-free sequence numbers, `BlockRemoved` before the step's `BlockStored`,
 `AllBlocksCleared` leading the next step's batch, and the same block hashes for every prompt
 block; `/tokenize`, `/detokenize` and `/v1/models` answer alike; epp's metrics parser and
-KV-event decoder accept the real server's output. The whole tier takes 1.5 minutes (35 s of
-that is vLLM starting), 2.2 minutes on a heavily loaded box.
+KV-event decoder accept the real server's output. The whole tier (35 tests) took 2.7 minutes
+on 2026-11-25 (load average 0.2 at the start, 2.9 at the end), 1.5 minutes of it in
+`test_priority_contract.py` (two more vLLM starts of ~35 s, see "Scheduler" above).
 
 Found by this comparison and fixed in the simulator: block hashes are now vLLM's (sha256 chain,
 LoRA path in the key; they were xxh3); freed partial blocks go to the head of the free queue

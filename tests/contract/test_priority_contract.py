@@ -41,7 +41,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import pytest
@@ -176,7 +176,7 @@ def on_three_servers(
         out = {"vllm": run(real)}
         for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
             with sim_like(real, max_num_seqs=max_num_seqs, extra_args=extra) as sim:
-                out[name] = run(sim)
+                out[name] = run(replace(sim, name=name))
     return out
 
 
