@@ -8,12 +8,14 @@ control: it shows that the ordering assertion can fail).
 The scenario: a long low-priority request (priority 10) takes the only running slot; while it
 decodes, four requests are queued one at a time with priorities 5, 0, 5, -1 (each is sent only
 once /metrics counts the one before it as waiting, so their arrival order is certain). Every
-request streams and the client records when its first and last tokens arrive.
+request streams; the start order is read from the KV events (the message that stored each
+queued prompt's first block), since vLLM's API server can deliver several requests' tokens in
+one burst.
 
 What must hold on both the real vLLM and the simulator:
 - the queued requests start in priority order (lower first), ties by arrival: -1, 0, then the
   two 5s in the order they arrived (fcfs starts them in arrival order);
-- none of them starts before the running request's last token, the -1 one included: a waiting
+- none of them has a block stored before the running request's last one, the -1 included: a waiting
   request never preempts a running one (vLLM admits waiting requests only into free slots and
   stops at max_num_seqs; vLLM issue #40004), and vllm:num_preemptions does not move.
 
@@ -23,9 +25,7 @@ admitted, then a high-priority one of the same length; when a running request ne
 and none is free, the victim must be the lowest-priority running request (the one admitted
 first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
 
-Only orders are asserted, never durations. Consecutive starts are a whole request apart (a
-256-token prefill plus 24 decoded tokens, over 100 ms on this CPU), far above the jitter of the
-client's threads; the long request decodes 1200 tokens (~4 s) while the queue fills in well
+Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s) while the queue fills in well
 under a second, and the scenario fails loudly if it finished first. Under KV pressure the
 blocks run out ~480 tokens before either request would finish.
 
