@@ -25,9 +25,9 @@ admitted, then a high-priority one of the same length; when a running request ne
 and none is free, the victim must be the lowest-priority running request (the one admitted
 first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
 
-Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s) while the queue fills in well
-under a second, and the scenario fails loudly if it finished first. Under KV pressure the
-blocks run out ~480 tokens before either request would finish.
+Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s)
+while the queue fills in well under a second, and the scenario fails loudly if it finished
+first. Under KV pressure the blocks run out ~480 tokens before either request would finish.
 
 Runs only with EPP_CONTRACT=1 (conftest.py). Each scenario starts its own vLLM (~35 s) and
 stops it at the end of the module.
