@@ -149,11 +149,13 @@ def start_sim(
     lora_dir: Path | None = DEFAULT_LORA_DIR,
     profile: str = "cpu-tiny",
     log_path: Path | None = None,
+    extra_args: list[str] | None = None,
 ) -> Iterator[Target]:
     """Run `python -m epp.sim` as a subprocess configured like the real server.
 
     A subprocess (not an in-process replica) so the simulator runs exactly as deployed and its
-    event loop does not compete with this process's HTTP client threads.
+    event loop does not compete with this process's HTTP client threads. extra_args are the
+    flags the real server got beyond the shared geometry (e.g. `--scheduling-policy priority`).
     """
     port, kv_port = free_port(), free_port()
     # Flag/value pairs on one line each.
@@ -173,6 +175,7 @@ def start_sim(
     if lora_dir is not None:
         cmd += ["--lora-modules", f"{LORA_NAME}={lora_dir}", "--max-loras", "2"]
     # fmt: on
+    cmd += extra_args or []
     if log_path is None:
         log_dir = REPO / ".cache" / "vllm-logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -211,16 +214,24 @@ def start_sim(
 
 
 @contextlib.contextmanager
-def sim_like(real: Target, profile: str = "cpu-tiny") -> Iterator[Target]:
-    """A simulator replica with the real server's cache geometry and limits."""
+def sim_like(
+    real: Target,
+    profile: str = "cpu-tiny",
+    *,
+    max_num_seqs: int = REAL_MAX_NUM_SEQS,
+    extra_args: list[str] | None = None,
+) -> Iterator[Target]:
+    """A simulator replica with the real server's cache geometry and limits (max_num_seqs is
+    what the real server was started with: vLLM does not expose it)."""
     info = cache_config(real.base_url)
     with start_sim(
         block_size=int(info["block_size"]),
         num_gpu_blocks=int(info["num_gpu_blocks"]),
-        max_num_seqs=REAL_MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len(real.base_url, real.model),
         lora_dir=DEFAULT_LORA_DIR if real.lora_name else None,
         profile=profile,
+        extra_args=extra_args,
     ) as sim:
         yield sim
 
@@ -328,7 +339,7 @@ class Phase:
     sample_metrics: bool = False
 
 
-def _rand(rng: random.Random, n: int) -> list[int]:
+def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
 
@@ -365,18 +376,18 @@ CHAT_TURNS = [
 def build_trace(block_size: int = 32) -> list[Phase]:
     """The phases, in order. Sizes assume ~127 usable blocks of 32 tokens (8 MiB of KV)."""
     rng = random.Random(SEED)
-    p500, p512 = _rand(rng, 500), _rand(rng, 16 * block_size)
-    shared_tail = _rand(rng, 200)
-    s20 = _rand(rng, 20)
-    concurrent_prefix = _rand(rng, 10 * block_size)
-    concurrent = [concurrent_prefix + _rand(rng, 100) for _ in range(4)]
-    distinct = [_rand(rng, 300 + 50 * i) for i in range(4)]
-    lora_p = _rand(rng, 300)
-    usage_prefix = _rand(rng, 480)
-    usage = [usage_prefix + _rand(rng, 20) for _ in range(2)]
-    evict = [_rand(rng, 600) for _ in range(8)]
-    preempt = [_rand(rng, 1000) for _ in range(4)]
-    lora_long = _rand(rng, 100)  # drawn last: the prompts above stay what they were
+    p500, p512 = random_tokens(rng, 500), random_tokens(rng, 16 * block_size)
+    shared_tail = random_tokens(rng, 200)
+    s20 = random_tokens(rng, 20)
+    concurrent_prefix = random_tokens(rng, 10 * block_size)
+    concurrent = [concurrent_prefix + random_tokens(rng, 100) for _ in range(4)]
+    distinct = [random_tokens(rng, 300 + 50 * i) for i in range(4)]
+    lora_p = random_tokens(rng, 300)
+    usage_prefix = random_tokens(rng, 480)
+    usage = [usage_prefix + random_tokens(rng, 20) for _ in range(2)]
+    evict = [random_tokens(rng, 600) for _ in range(8)]
+    preempt = [random_tokens(rng, 1000) for _ in range(4)]
+    lora_long = random_tokens(rng, 100)  # drawn last: the prompts above stay what they were
 
     chat: list[Req] = []
     messages = [{"role": "system", "content": SYSTEM}]
@@ -706,26 +717,26 @@ def measure_latency(target: Target, runs: int = 7, seed: int = 1) -> Latency:
         }
 
     samples: dict[str, list[float]] = {k: [] for k in Latency.__dataclass_fields__}
-    _timed(target, body(_rand(rng, 500), 4))  # warm-up (first request pays one-off costs)
+    _timed(target, body(random_tokens(rng, 500), 4))  # warm-up (first request pays one-off costs)
     for _ in range(runs):
-        p = _rand(rng, 500)
+        p = random_tokens(rng, 500)
         samples["cold_max1"].append(_timed(target, body(p, 1)))
         samples["hit_max1"].append(_timed(target, body(p, 1)))
-        p = _rand(rng, 500)
+        p = random_tokens(rng, 500)
         samples["cold_ttft"].append(_ttft(target, body(p, 1)))
         samples["hit_ttft"].append(_ttft(target, body(p, 1)))
-        p = _rand(rng, 500)
+        p = random_tokens(rng, 500)
         samples["cold_max16"].append(_timed(target, body(p, 16)))
         samples["hit_max16"].append(_timed(target, body(p, 16)))
-        one = _timed(target, body(_rand(rng, 100), 1))
-        many = _timed(target, body(_rand(rng, 100), 129))
+        one = _timed(target, body(random_tokens(rng, 100), 1))
+        many = _timed(target, body(random_tokens(rng, 100), 129))
         samples["decode_b1"].append((many - one) / 128)
         with ThreadPoolExecutor(4) as pool:
             t = time.perf_counter()
-            list(pool.map(lambda _: _timed(target, body(_rand(rng, 100), 1)), range(4)))
+            list(pool.map(lambda _: _timed(target, body(random_tokens(rng, 100), 1)), range(4)))
             one4 = time.perf_counter() - t
             t = time.perf_counter()
-            list(pool.map(lambda _: _timed(target, body(_rand(rng, 100), 129)), range(4)))
+            list(pool.map(lambda _: _timed(target, body(random_tokens(rng, 100), 129)), range(4)))
             many4 = time.perf_counter() - t
         samples["decode_b4"].append((many4 - one4) / 128)
         wait_idle(target)
@@ -824,8 +835,9 @@ same frames, field order and values, the same messages (event types and block co
 sequential phase, gap-free sequence numbers, `BlockRemoved` before the step's `BlockStored`,
 `AllBlocksCleared` leading the next step's batch, and the same block hashes for every prompt
 block; `/tokenize`, `/detokenize` and `/v1/models` answer alike; epp's metrics parser and
-KV-event decoder accept the real server's output. The whole tier takes 1.5 minutes (35 s of
-that is vLLM starting), 2.2 minutes on a heavily loaded box.
+KV-event decoder accept the real server's output. The whole tier (35 tests) took 2.7 minutes
+on 2026-11-25 (load average 0.2 at the start, 2.9 at the end), 1.5 minutes of it in
+`test_priority_contract.py` (two more vLLM starts of ~35 s, see "Scheduler" above).
 
 Found by this comparison and fixed in the simulator: block hashes are now vLLM's (sha256 chain,
 LoRA path in the key; they were xxh3); freed partial blocks go to the head of the free queue

@@ -10,6 +10,8 @@ One server per session, started lazily by the first test that asks for `real_vll
 started with LoRA enabled (adapter `tiny-lora`) and VLLM_SERVER_DEV_MODE=1 (for
 `/reset_prefix_cache` -> AllBlocksCleared), so a single engine covers every contract; base-model
 requests behave exactly as on a LoRA-less server (same block hashes, same counters).
+test_priority_contract.py starts servers of its own (other scheduler flags) with
+`vllm_server.start_vllm(extra_args=...)`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class RealVllm:
     log_path: Path  # server log, handy in assertion messages
 
 
-def _skip_reason() -> str | None:
+def skip_reason() -> str | None:
     if os.environ.get("EPP_CONTRACT") != "1":
         return "real-vLLM contract tier is opt-in: set EPP_CONTRACT=1"
     if not venv_ready():
@@ -50,7 +52,7 @@ def _skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def real_vllm() -> Iterator[RealVllm]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
     with start_vllm(lora=True, dev_mode=True) as srv:

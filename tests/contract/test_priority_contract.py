@@ -1,0 +1,307 @@
+"""`--scheduling-policy priority` on a real vLLM 0.32 and on `epp sim` started the same way.
+
+One scenario runs on three servers, one after the other (the box has 2 shared cores): a real
+vLLM started with `--scheduling-policy priority --max-num-seqs 1`, a simulator replica with the
+same flags and the real server's cache geometry, and a simulator replica left at fcfs (the
+control: it shows that the ordering assertion can fail).
+
+The scenario: a long low-priority request (priority 10) takes the only running slot; while it
+decodes, four requests are queued one at a time with priorities 5, 0, 5, -1 (each is sent only
+once /metrics counts the one before it as waiting, so their arrival order is certain). Every
+request streams; the start order is read from the KV events (the message that stored each
+queued prompt's first block), since vLLM's API server can deliver several requests' tokens in
+one burst.
+
+What must hold on both the real vLLM and the simulator:
+- the queued requests start in priority order (lower first), ties by arrival: -1, 0, then the
+  two 5s in the order they arrived (fcfs starts them in arrival order);
+- none of them has a block stored before the running request's last one, the -1 included: a waiting
+  request never preempts a running one (vLLM admits waiting requests only into free slots and
+  stops at max_num_seqs; vLLM issue #40004), and vllm:num_preemptions does not move.
+
+A second scenario, on a real vLLM started with `--scheduling-policy priority --max-num-seqs 2`
+and a 96-block KV cache (and the two simulator replicas again): a low-priority request is
+admitted, then a high-priority one of the same length; when a running request needs a block
+and none is free, the victim must be the lowest-priority running request (the one admitted
+first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
+
+Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s)
+while the queue fills in well under a second, and the scenario fails loudly if it finished
+first. Under KV pressure the blocks run out ~480 tokens before either request would finish.
+
+Runs only with EPP_CONTRACT=1 (conftest.py). Each scenario starts its own vLLM (~35 s) and
+stops it at the end of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import pytest
+from calibrate import (
+    SEED,
+    EventCollector,
+    Target,
+    metrics,
+    random_tokens,
+    sim_like,
+    wait_idle,
+)
+from conftest import skip_reason
+from vllm_server import BLOCK_SIZE, start_vllm
+
+from epp.sim.kv_cache import hash_blocks
+from epp.state.snapshot import EndpointMetrics
+
+pytestmark = pytest.mark.contract
+
+PRIORITY_FLAGS = ["--scheduling-policy", "priority"]
+MAX_NUM_SEQS = 1
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    priority: int
+    prompt_len: int
+    max_tokens: int
+
+
+RUNNING = Job("running", 10, 16, 1200)
+QUEUED = (Job("a", 5, 256, 24), Job("b", 0, 256, 24), Job("c", 5, 256, 24), Job("d", -1, 256, 24))
+BY_PRIORITY = ["d", "b", "a", "c"]
+BY_ARRIVAL = ["a", "b", "c", "d"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """When a streamed completion's first and last tokens reached the client (monotonic s)."""
+
+    first: float
+    last: float
+
+
+def _stream(target: Target, job: Job, prompt: list[int]) -> Stream:
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": job.max_tokens,
+        "priority": job.priority,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        target.base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            # Every chunk with a choice carries one token (its text may be empty: random weights).
+            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.monotonic())
+    assert times, f"{target.name}: no token streamed for {job.name}"
+    return Stream(times[0], times[-1])
+
+
+def _until(target: Target, ok: Callable[[EndpointMetrics], bool], what: str) -> EndpointMetrics:
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(target)
+        if ok(m):
+            return m
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target.name}: {what} not seen in 60 s (last: {m})")
+        time.sleep(0.02)
+
+
+def _table(target: str, streams: dict[str, Stream]) -> str:
+    """Token times relative to the first request's first token, for assertion messages and
+    the `pytest -rA` report."""
+    t0 = min(s.first for s in streams.values())
+    return f"\n{target}:\n" + "\n".join(
+        f"  {name:8} first {s.first - t0:7.3f} s  last {s.last - t0:7.3f} s"
+        for name, s in sorted(streams.items(), key=lambda kv: kv[1].first)
+    )
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    target: str
+    streams: dict[str, Stream]
+    queued: EndpointMetrics  # /metrics once all four requests were queued
+    preemptions: float
+    # Engine-side order: the KV-event message (seq) that stored each queued prompt's first
+    # block, and the last message that stored a block of the running request. Client-side
+    # token times are not enough: vLLM's API server may deliver several requests' tokens in
+    # one burst (seen once: all four queued requests within 1 ms).
+    stored_at: dict[str, int]
+    running_last_stored: int
+
+    def start_order(self) -> list[str]:
+        return sorted((j.name for j in QUEUED), key=lambda n: self.stored_at[n])
+
+    def table(self) -> str:
+        return _table(self.target, self.streams)
+
+
+def run_scenario(target: Target) -> ScenarioResult:
+    rng = random.Random(SEED)
+    before = wait_idle(target)
+    prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (RUNNING, *QUEUED)}
+    events = EventCollector(target.kv_events_endpoint, target.kv_topic)
+    with ThreadPoolExecutor(1 + len(QUEUED)) as pool:
+        futures = {RUNNING.name: pool.submit(_stream, target, RUNNING, prompts[RUNNING.name])}
+        _until(target, lambda m: m.running == 1, "the long request running")
+        for i, job in enumerate(QUEUED, 1):
+            futures[job.name] = pool.submit(_stream, target, job, prompts[job.name])
+            _until(target, lambda m, n=i: m.waiting == n, f"{i} requests waiting")
+        queued = metrics(target)
+        if futures[RUNNING.name].done():
+            raise RuntimeError(
+                f"{target.name}: the long request finished before the queue filled; the "
+                "scenario tests nothing (raise RUNNING.max_tokens)"
+            )
+        streams = {name: f.result(timeout=180) for name, f in futures.items()}
+    after = wait_idle(target)
+    time.sleep(0.4)  # vLLM publishes after the step, from its own thread
+    messages = events.take()
+    events.close()
+    first_blocks = {hash_blocks(prompts[j.name], BLOCK_SIZE)[0]: j.name for j in QUEUED}
+    queued_blocks = {h for j in QUEUED for h in hash_blocks(prompts[j.name], BLOCK_SIZE)}
+    stored_at: dict[str, int] = {}
+    running_last = -1
+    for m in messages:
+        for e in m.events:
+            for h in e["block_hashes"] if e["type"] == "BlockStored" else ():
+                if h in first_blocks:
+                    stored_at.setdefault(first_blocks[h], m.seq)
+                elif h not in queued_blocks:
+                    running_last = m.seq
+    return ScenarioResult(
+        target.name,
+        streams,
+        queued,
+        after.preemptions - before.preemptions,
+        stored_at,
+        running_last,
+    )
+
+
+def on_three_servers(
+    run: Callable[[Target], R], max_num_seqs: int, flags: list[str] | None = None
+) -> dict[str, R]:
+    """`run` on a real vLLM started with the priority policy, max_num_seqs and flags, then on
+    two simulator replicas configured like it (priority, and fcfs as the control), one server
+    after the other (the box has 2 shared cores)."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    vllm_flags = [*PRIORITY_FLAGS, "--max-num-seqs", str(max_num_seqs), *(flags or [])]
+    with start_vllm(extra_args=vllm_flags) as srv:
+        real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
+        out = {"vllm": run(real)}
+        for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
+            with sim_like(real, max_num_seqs=max_num_seqs, extra_args=extra) as sim:
+                out[name] = run(replace(sim, name=name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, ScenarioResult]:
+    out = on_three_servers(run_scenario, MAX_NUM_SEQS)
+    print("".join(r.table() for r in out.values()))
+    return out
+
+
+def test_one_runs_and_four_wait_on_every_server(results: dict[str, ScenarioResult]) -> None:
+    for r in results.values():
+        assert (r.queued.running, r.queued.waiting) == (1, len(QUEUED)), r.target
+
+
+def test_queued_requests_start_by_priority_then_arrival(
+    results: dict[str, ScenarioResult],
+) -> None:
+    tables = "".join(r.table() for r in results.values())
+    assert results["vllm"].start_order() == BY_PRIORITY, tables
+    assert results["sim"].start_order() == BY_PRIORITY, tables
+    assert results["sim-fcfs"].start_order() == BY_ARRIVAL, tables
+
+
+def test_a_waiting_request_never_preempts_the_running_one(
+    results: dict[str, ScenarioResult],
+) -> None:
+    for name in ("vllm", "sim"):
+        r = results[name]
+        assert min(r.stored_at.values()) > r.running_last_stored, (r.stored_at, r.table())
+        assert r.preemptions == 0, r.target
+
+
+# --------------------------------------------------------------------------- KV pressure
+# 6 MiB of KV cache: 96 blocks of 32 tokens, 95 usable (vLLM keeps a null block) = 3,040
+# tokens, still above max_model_len (2,048) so vLLM starts. Two running 2,000-token requests
+# need 126 blocks: they run out when each has decoded ~520 tokens, far from either's end.
+KV_MAX_NUM_SEQS = 2
+KV_FLAGS = ["--kv-cache-memory-bytes", str(6 * 1024 * 1024)]
+LOW = Job("low", 10, 1000, 1000)
+HIGH = Job("high", 0, 1000, 1000)
+
+
+@dataclass(frozen=True)
+class PressureResult:
+    target: str
+    streams: dict[str, Stream]
+    preemptions: float
+
+    def finish_order(self) -> list[str]:
+        return sorted(self.streams, key=lambda n: self.streams[n].last)
+
+    def table(self) -> str:
+        return _table(self.target, self.streams) + f"\n  preemptions {self.preemptions:.0f}"
+
+
+def run_kv_pressure(target: Target) -> PressureResult:
+    """The low-priority request is admitted first, the high-priority one right after; both
+    decode until a running request needs a block and none is free."""
+    rng = random.Random(SEED + 1)
+    prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (LOW, HIGH)}
+    before = wait_idle(target)
+    with ThreadPoolExecutor(2) as pool:
+        low = pool.submit(_stream, target, LOW, prompts[LOW.name])
+        _until(target, lambda m: m.running == 1, "the low-priority request running")
+        high = pool.submit(_stream, target, HIGH, prompts[HIGH.name])
+        _until(target, lambda m: m.running == 2, "both requests running")
+        streams = {LOW.name: low.result(timeout=300), HIGH.name: high.result(timeout=300)}
+    after = wait_idle(target)
+    return PressureResult(target.name, streams, after.preemptions - before.preemptions)
+
+
+@pytest.fixture(scope="module")
+def pressure() -> dict[str, PressureResult]:
+    out = on_three_servers(run_kv_pressure, KV_MAX_NUM_SEQS, KV_FLAGS)
+    print("".join(r.table() for r in out.values()))
+    return out
+
+
+def test_kv_pressure_preempts_the_lowest_priority_running_request(
+    pressure: dict[str, PressureResult],
+) -> None:
+    """Under priority the victim is the low-priority request although it was admitted first:
+    the high-priority one finishes first, the victim is recomputed after it. fcfs preempts the
+    last admitted (the high-priority one), so the low-priority one finishes first."""
+    seen = "".join(r.table() for r in pressure.values())
+    for r in pressure.values():
+        assert r.preemptions >= 1, seen
+    assert pressure["vllm"].finish_order() == [HIGH.name, LOW.name], seen
+    assert pressure["sim"].finish_order() == [HIGH.name, LOW.name], seen
+    assert pressure["sim-fcfs"].finish_order() == [LOW.name, HIGH.name], seen
