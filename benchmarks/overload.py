@@ -251,16 +251,12 @@ def _queue_limits(
     kv_requests = _kv_requests(cal, args)
     batch = cal.capacity * cal.latency / args.replicas * headroom
     critical = round(batch) + kv_requests if engine_priority else max(kv_requests, round(batch))
-    return {
-        "mode": "queue",
-        "max_requests": critical,
-        "sheddable_reserve": round(max(0.0, 1 - batch / critical), 3),
-        "kv_threshold": 0.95,
-        "queue_threshold": 50,
-        "stale_seconds": 1.0,
-        "ttl": args.ttl,
-        "bands": {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}},
-    }
+    return _queue(
+        args,
+        max_requests=critical,
+        sheddable_reserve=round(max(0.0, 1 - batch / critical), 3),
+        kv_threshold=0.95,
+    )
 
 
 def _pool_limits(reserve: int, max_requests: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -270,11 +266,15 @@ def _pool_limits(reserve: int, max_requests: int, args: argparse.Namespace) -> d
     The engines order their queues by priority (the rows run with engine priority), and the
     KV threshold is left to the counts (1.0): a KV cache full of running work must not hold
     critical work in epp when an engine queue would serve it first."""
+    return _queue(args, max_requests=max_requests, pool_reserve=reserve, kv_threshold=1.0)
+
+
+def _queue(args: argparse.Namespace, **limits: Any) -> dict[str, Any]:
+    """Flow control with the given limits, the waiting-queue threshold past anything they
+    allow, metrics trusted for 1 s, and the batch band's capacity and TTL."""
     return {
         "mode": "queue",
-        "max_requests": max_requests,
-        "pool_reserve": reserve,
-        "kv_threshold": 1.0,
+        **limits,
         "queue_threshold": 50,
         "stale_seconds": 1.0,
         "ttl": args.ttl,

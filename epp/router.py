@@ -368,7 +368,7 @@ class Router:
         if ttft is None and tpot is None:
             targets = self._objective_targets
             return targets.get(request.objective, targets[""])
-        objective = config.request.objective_targets.get(request.objective, LatencyTarget())
+        objective = config.request.objective_targets.get(request.objective)
         return _merged(self._default_target, objective, ttft, tpot)
 
     def _capacities(self, config: Config) -> Mapping[str, float]:

@@ -7,8 +7,8 @@ configuration reload. Per process: with several epps each spreads the cold promp
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import count
 
 # Endpoints remembered; beyond it the one that received a cold prompt longest ago is dropped,
 # which ranks it exactly as before (never received one: first in line). Bounds the memory of a
@@ -18,24 +18,24 @@ LIMIT = 4096
 
 class ColdPicks:
     def __init__(self, limit: int = LIMIT) -> None:
-        self._order: OrderedDict[str, None] = OrderedDict()
+        # Endpoint -> when it last received a cold prompt, as a rising sequence number.
+        self._stamps: dict[str, int] = {}
+        self._next = count()
         self._limit = limit
 
     def record(self, endpoint: str) -> None:
         """``endpoint`` just received a prompt cached nowhere: it goes to the back of the line."""
-        order = self._order
-        order[endpoint] = None
-        order.move_to_end(endpoint)
-        if len(order) > self._limit:
-            order.popitem(last=False)
+        stamps = self._stamps
+        stamps.pop(endpoint, None)  # re-inserted last: the dict's order stays oldest first
+        stamps[endpoint] = next(self._next)
+        if len(stamps) > self._limit:
+            del stamps[next(iter(stamps))]
 
     def ranks(self, endpoints: Sequence[str]) -> list[int]:
         """Each endpoint's place in line for the next cold prompt (0: first; endpoints that
         never received one come first, in the order given)."""
-        position = {address: i for i, address in enumerate(self._order)}
-        # Never used: before everything recorded, keeping the given order among themselves.
-        keys = [position.get(address, -len(endpoints) + i) for i, address in enumerate(endpoints)]
-        order = sorted(range(len(endpoints)), key=keys.__getitem__)
+        stamps = self._stamps
+        order = sorted(range(len(endpoints)), key=lambda i: stamps.get(endpoints[i], -1))
         ranks = [0] * len(endpoints)
         for rank, index in enumerate(order):
             ranks[index] = rank
