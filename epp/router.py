@@ -431,13 +431,15 @@ class Router:
             self.decisions.popitem(last=False)
 
     def _keep_one_envoy_knows(self, decision: Decision, candidates: list[EndpointState]) -> None:
-        """When every endpoint of the list joined so recently that Envoy may not have resolved
-        it (epp.discovery.settling), append the least loaded ready candidate Envoy surely
-        knows: Envoy skips unknown hosts of the list within the same attempt, so the request
-        lands there instead of failing with 503."""
+        """When the list ends with an endpoint that joined so recently that Envoy may not have
+        resolved it (epp.discovery.settling), append the least loaded ready candidate Envoy
+        surely knows. Envoy walks the list forward, skipping hosts it does not know, within an
+        attempt and from one retry to the next; past the list's end it fails with 503. So the
+        last entry is what must be known: ``[new, new]`` and ``[old, new]`` (old fails, the
+        retry reaches new) both get one appended; epp's own choices still come first."""
         chosen = decision.endpoints
         settling = self.settling.settling
-        if not all(settling(e.address) for e in chosen):
+        if not settling(chosen[-1].address):
             return
         picked = {e.address for e in chosen}
         load = self.fleet.inflight.load

@@ -155,8 +155,8 @@ class Stack:
     def url(self, port: str) -> str:
         return f"http://127.0.0.1:{self.ports[port]}"
 
-    def complete(self, request_id: str) -> tuple[int, dict[str, str]]:
-        status, headers, _ = http(
+    def complete(self, request_id: str) -> tuple[int, dict[str, str], bytes]:
+        return http(
             f"{self.url('ENVOY_PORT')}/v1/completions",
             {
                 "model": "tiny",
@@ -165,7 +165,6 @@ class Stack:
             },
             {"x-request-id": request_id},
         )
-        return status, headers
 
     def decision(self, request_id: str) -> tuple[str, list[str]] | None:
         for epp in EPPS:
@@ -241,9 +240,15 @@ def check_routing(stack: Stack, count: int, fallback_ok: bool = False) -> Routed
     routed = Routed()
     for _ in range(count):
         request_id = f"compose-{uuid.uuid4().hex[:12]}"
-        status, headers = stack.complete(request_id)
+        status, headers, body = stack.complete(request_id)
         if status != 200:
-            raise StackError(f"request {request_id} got HTTP {status} through Envoy")
+            # Everything that tells who answered: epp (its JSON error), Envoy (its local reply
+            # text) or the replica, and what epp and Envoy knew of the pool at that moment.
+            raise StackError(
+                f"request {request_id} got HTTP {status} through Envoy: {body[:300]!r}; "
+                f"headers {headers}; epp decided {stack.decision(request_id)}; "
+                f"Envoy's pool {sorted(stack.envoy_pool())}"
+            )
         found = stack.decision(request_id)
         if found is None:
             raise StackError(f"neither epp has a decision for {request_id} (routing.explain on?)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from epp.config import parse_config
-from epp.discovery.settling import SETTLE_INTERVALS, Settling
+from epp.discovery.settling import SETTLE_FLOOR_SECONDS, SETTLE_INTERVALS, Settling
 from epp.discovery.spec import DnsSpec, StaticSpec
 from epp.request import InferenceRequest
 from epp.router import Router
@@ -29,19 +29,33 @@ class Clock:
 def test_new_members_settle_for_two_intervals_and_first_members_are_known() -> None:
     clock = Clock()
     settling = Settling(clock)
-    dns = {"main": DnsSpec("sim", 8000, interval=1.0)}
+    interval = SETTLE_FLOOR_SECONDS  # two intervals are longer than the floor
+    dns = {"main": DnsSpec("sim", 8000, interval=interval)}
     settling.update({"main": ()}, dns)  # discovery has not answered yet
     settling.update({"main": OLD}, dns)
     assert not settling.any()
     settling.update({"main": OLD + NEW}, dns)
     assert all(settling.settling(a) for a in NEW)
     assert not any(settling.settling(a) for a in OLD)
-    clock.now += SETTLE_INTERVALS * 1.0 - 0.01
+    clock.now += SETTLE_INTERVALS * interval - 0.01
     assert settling.settling(NEW[0])
     clock.now += 0.02
     assert not settling.settling(NEW[0])
     assert not settling.settling(NEW[1])
     assert not settling.any()
+
+
+def test_a_short_interval_still_settles_for_the_floor() -> None:
+    """A 1 s interval alone would give 2 s; a loaded Envoy took longer (docs/discovery.md)."""
+    clock = Clock()
+    settling = Settling(clock)
+    dns = {"main": DnsSpec("sim", 8000, interval=1.0)}
+    settling.update({"main": OLD}, dns)
+    settling.update({"main": OLD + NEW}, dns)
+    clock.now += SETTLE_FLOOR_SECONDS - 0.01
+    assert settling.settling(NEW[0])
+    clock.now += 0.02
+    assert not settling.settling(NEW[0])
 
 
 def test_static_pools_and_departed_endpoints_never_settle() -> None:
@@ -57,7 +71,9 @@ def test_static_pools_and_departed_endpoints_never_settle() -> None:
     assert not settling.any()
 
 
-async def _router() -> Router:
+async def _router(waiting: dict[str, int] | None = None) -> Router:
+    """A router that has just seen NEW join OLD, with these queues (default: the old replicas
+    busy and the new ones idle, so that every scorer prefers the new two)."""
     config = parse_config(
         {
             "models": {"tiny": {"pools": ["main"]}},
@@ -66,10 +82,9 @@ async def _router() -> Router:
         }
     )
     store = MemoryStore()
+    queues = waiting or {a: 8 for a in OLD}
     for address in OLD + NEW:
-        # The new replicas are idle, the old ones busy: every scorer prefers the new two.
-        waiting = 0 if address in NEW else 8
-        metrics = EndpointMetrics(waiting=waiting, running=4 if waiting else 0)
+        metrics = EndpointMetrics(waiting=queues.get(address, 0), running=4)
         await store.put_endpoint(EndpointState(address, "main", True, metrics, 1.0))
     router = Router(replace(config, pools={"main": OLD}), FleetState(store))
     router.config = replace(config, pools={"main": OLD + NEW})
@@ -85,6 +100,23 @@ async def test_a_list_of_only_new_replicas_gets_an_old_one_appended() -> None:
     assert len(addresses) == 3, addresses
     assert addresses[2] in OLD, addresses
     assert ticket.endpoint == addresses[0]
+
+
+async def test_a_list_ending_with_a_new_replica_gets_an_old_one_appended() -> None:
+    """``[old, new]``: should the old one fail, Envoy's retry walks on to the new one, which
+    it may not know; past the list's end it would answer 503."""
+    router = await _router({OLD[0]: 0, NEW[0]: 2, OLD[1]: 8, NEW[1]: 8})
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
+    decision, _ = router.route(request)
+    addresses = [e.address for e in decision.endpoints]
+    assert addresses == [OLD[0], NEW[0], OLD[1]], addresses
+
+
+async def test_a_list_ending_with_an_old_replica_is_left_alone() -> None:
+    router = await _router({NEW[0]: 0, OLD[0]: 2, OLD[1]: 8, NEW[1]: 8})
+    request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
+    decision, _ = router.route(request)
+    assert [e.address for e in decision.endpoints] == [NEW[0], OLD[0]]
 
 
 async def test_once_settled_the_list_is_epps_choice_alone() -> None:
