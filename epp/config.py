@@ -931,6 +931,7 @@ def _health(node: _Node) -> HealthConfig:
         latency_factor=node.real("latency_factor", d.latency_factor, ge=1),
         latency_floor_seconds=node.real("latency_floor_seconds", d.latency_floor_seconds, ge=0),
         latency_samples=node.integer("latency_samples", d.latency_samples, ge=1),
+        latency_prompt_tokens=node.integer("latency_prompt_tokens", d.latency_prompt_tokens, ge=0),
         base_ejection_seconds=base,
         max_ejection_seconds=longest,
         max_ejection_percent=share,

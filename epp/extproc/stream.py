@@ -339,7 +339,10 @@ class StreamHandler:
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
-            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time())
+            uncached = None
+            if self.pick is not None and self.pick.endpoint == endpoint:
+                uncached = self.pick.uncached
+            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time(), uncached)
         if self._trace is not None:
             self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
 
@@ -485,7 +488,9 @@ class StreamHandler:
                 started,
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
-        self.pick = PickRecord(ticket, request.session, picked_at=self._clock())
+        self.pick = PickRecord(
+            ticket, request.session, picked_at=self._clock(), uncached=ticket.prefill
+        )
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
         child(OBJECTIVE_REQUESTS, request.model, request.model).inc()

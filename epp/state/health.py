@@ -14,7 +14,11 @@ stall; the scrape-based readiness never sees it. epp sees every response on the 
   ``latency_factor`` times the median of the pool's other endpoints (each their own median)
   and above ``latency_floor_seconds``, ejects it. Comparing with the *others* lets a slow
   endpoint stand out in a pool of two, and keeps the healthy half of a pool from looking slow
-  when the other half is.
+  when the other half is. A streamed response's TTFT counts per ``latency_prompt_tokens``
+  uncached prompt tokens (as epp counted them at the pick) when its prompt had more: a cold
+  prefill of a long prompt is slow on every replica, and compared raw with replicas that serve
+  prefix-cache hits it made the replica that had just taken on new prefix groups an "outlier"
+  (docs/health.md).
 
 Each endpoint is a circuit: CLOSED (serves), OPEN until its ejection time has passed, then
 HALF_OPEN: one trial request at a time may go there (:meth:`HealthTracker.admits`,
@@ -64,6 +68,10 @@ class HealthConfig:
     latency_factor: float = 3.0
     latency_floor_seconds: float = 0.05
     latency_samples: int = 10
+    # A streamed TTFT whose request had more uncached prompt tokens than this is scaled to this
+    # many (TTFT x latency_prompt_tokens / uncached) before the comparison; shorter prompts
+    # count as measured, their TTFT being mostly per-request cost and queue. 0: never scaled.
+    latency_prompt_tokens: int = 512
     base_ejection_seconds: float = 5.0
     max_ejection_seconds: float = 60.0
     max_ejection_percent: float = 50.0

@@ -233,8 +233,15 @@ BASE: dict[str, object] = {
 
 
 def test_health_section_is_parsed_and_every_problem_reported() -> None:
-    config = parse_config({**BASE, "health": {"error_rate": 0.5, "base_ejection_seconds": 2}})
-    assert config.health == HealthConfig(error_rate=0.5, base_ejection_seconds=2.0)
+    config = parse_config(
+        {
+            **BASE,
+            "health": {"error_rate": 0.5, "base_ejection_seconds": 2, "latency_prompt_tokens": 0},
+        }
+    )
+    assert config.health == HealthConfig(
+        error_rate=0.5, base_ejection_seconds=2.0, latency_prompt_tokens=0
+    )
     with pytest.raises(ConfigError) as info:
         parse_config(
             {
@@ -246,6 +253,7 @@ def test_health_section_is_parsed_and_every_problem_reported() -> None:
                     "max_ejection_seconds": 10,
                     "consecutive_failures": 0,
                     "latency_factor": 0.5,
+                    "latency_prompt_tokens": -1,
                     "typo": 1,
                 },
             }
@@ -258,6 +266,7 @@ def test_health_section_is_parsed_and_every_problem_reported() -> None:
         "health.max_ejection_seconds: must be >= base_ejection_seconds (30), got 10",
         "health.consecutive_failures: must be an integer >= 1, got 0",
         "health.latency_factor: must be a number >= 1, got 0.5",
+        "health.latency_prompt_tokens: must be an integer >= 0, got -1",
     ):
         assert expected in joined
-    assert len(info.value.errors) == 6
+    assert len(info.value.errors) == 7

@@ -47,3 +47,49 @@ def test_latency_is_ttft_when_streamed_and_the_whole_response_otherwise() -> Non
     state = health.state("a")
     assert state is not None
     assert [s for _, s in state.latencies] == [0.1, 0.5]
+
+
+def streamed(ttft: float) -> Outcome:
+    return Outcome("a", 200, seconds=2.0, complete=True, streamed=True, ttft=ttft)
+
+
+def test_a_streamed_ttft_counts_per_latency_prompt_tokens_of_uncached_prompt() -> None:
+    """A 2,048-token cold prefill taking 0.4 s counts as 0.1 s (per 512 tokens); a prompt
+    within 512 uncached tokens, or one whose count is unknown, counts as measured."""
+    health = tracker()  # latency_prompt_tokens: the default 512
+    judge(health, POOLS, "a", streamed(0.4), 1.0, uncached=2048)
+    judge(health, POOLS, "a", streamed(0.4), 2.0, uncached=512)
+    judge(health, POOLS, "a", streamed(0.4), 3.0)
+    state = health.state("a")
+    assert state is not None
+    assert [s for _, s in state.latencies] == [0.1, 0.4, 0.4]
+
+
+def test_whole_response_latency_and_a_scaling_of_zero_are_not_scaled() -> None:
+    health = HealthTracker()
+    health.configure(HealthConfig(latency_samples=1, latency_prompt_tokens=0), ("a", "b"))
+    judge(health, POOLS, "a", streamed(0.4), 1.0, uncached=2048)
+    judge(health, POOLS, "a", outcome(), 2.0, uncached=2048)
+    state = health.state("a")
+    assert state is not None
+    assert [s for _, s in state.latencies] == [0.4, 0.5]
+
+
+def test_cold_prefills_next_to_cache_hits_do_not_eject_but_a_slow_replica_still_is() -> None:
+    """The benchmark's failure (docs/learned-latency-bench.md): replica "a" takes on new prefix
+    groups (2,304-token prompts, 0.45 s cold) while "b" serves their hits (256 uncached
+    tokens, 0.08 s): raw, 0.45 > 3 x 0.08 ejected "a". Per 512 tokens its TTFT is 0.1 s. A
+    replica 4x slower on the same work is still an outlier."""
+    config = HealthConfig(latency_samples=4, max_ejection_percent=50)
+    health = HealthTracker(config)
+    health.configure(config, ("a", "b"))
+    for i in range(4):
+        judge(health, POOLS, "b", streamed(0.08), 1.0 + i, uncached=256)
+        judge(health, POOLS, "a", streamed(0.45), 1.0 + i, uncached=2304)
+    a = health.state("a")
+    assert a is not None
+    assert a.until == 0.0
+    for i in range(4):
+        judge(health, POOLS, "a", streamed(1.8), 5.0 + i, uncached=2304)
+    assert a.until > 0.0
+    assert a.reason == "latency"

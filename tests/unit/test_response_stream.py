@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -258,3 +259,37 @@ async def test_first_token_ends_the_prefill_and_teaches_the_latency_model() -> N
     assert described["ttft_samples"] == 1
     assert described["evidence"]["tpot"] > 0
     assert fleet.inflight.load(endpoint) == type(load)()  # released at the response's end
+
+
+async def test_passive_health_times_a_long_cold_prompt_per_latency_prompt_tokens() -> None:
+    """The pick's uncached prompt reaches passive health: with ``latency_prompt_tokens`` 64, a
+    streamed TTFT of 0.4 s for a ~200-token prompt cached nowhere is a sample of 0.4 x 64 /
+    uncached; after a retry (another endpoint served, its cache unknown) the TTFT counts as
+    measured."""
+    router = await make_router()
+    fleet = router.fleet
+    fleet.health.configure(replace(fleet.health.config, latency_prompt_tokens=64), (A, B))
+    samples = []
+    now = [100.0]
+    for served, text in (("picked", "x"), ("retried", "y")):  # each prompt cached nowhere
+        now[0] = 100.0
+        handler = StreamHandler(router, clock=lambda: now[0])
+        body = json.dumps({"model": "tiny", "prompt": text * 800, "max_tokens": 2, "stream": True})
+        handler.handle(headers_msg())
+        handler.handle(body_msg(body.encode()))
+        assert handler.ticket is not None
+        picked = handler.ticket.endpoint
+        uncached = handler.ticket.prefill
+        assert uncached > 150
+        endpoint = picked if served == "picked" else (A if picked == B else B)
+        handler.handle(_response_headers({**SSE_HEADERS, SERVED: endpoint}))
+        now[0] = 100.4
+        handler.handle(_response_body(ROLE + token("a")))
+        handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
+        handler.settle()
+        state = fleet.health.state(endpoint)
+        assert state is not None
+        samples.append((state.latencies[-1][1], uncached))
+    (scaled, uncached), (measured, _) = samples
+    assert scaled == pytest.approx(0.4 * 64 / uncached)
+    assert measured == pytest.approx(0.4)
