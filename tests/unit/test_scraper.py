@@ -153,16 +153,15 @@ async def test_a_joining_endpoint_is_scraped_at_once_not_a_random_phase_later(se
     the pool has no candidate, so that scrape must not wait for a phase of the interval."""
     first, joining = await _server(servers), await _server(servers)
     store = MemoryStore()
-    scraper = MetricsScraper(store, interval=30.0)
+    # An hour's interval: a random phase would come under the 10 s bound once in 360 runs,
+    # while 10 s leaves a loaded machine room for a scrape that comes at once.
+    scraper = MetricsScraper(store, interval=3600.0)
     scraper.set_endpoints({first.address: "pool-a"})
     await scraper.start()
     try:
-        await eventually(lambda: _ready(store, first.address), within=2.0, what="first ready")
+        await eventually(lambda: _ready(store, first.address), within=10.0, what="first ready")
         scraper.set_endpoints({joining.address: "pool-a"})  # every member replaced
-        took = await eventually(
-            lambda: _ready(store, joining.address), within=2.0, what="the joiner ready"
-        )
-        assert took < 2.0  # a random phase of a 30 s interval would be ~15 s
+        await eventually(lambda: _ready(store, joining.address), within=10.0, what="the joiner")
         assert joining.hits == 1
     finally:
         await scraper.stop()
@@ -181,9 +180,11 @@ async def test_stopped_replica_goes_unready_quickly_and_comes_back(servers, capl
 
         await server.stop()
         stopped_at = len(store.puts)
-        took = await eventually(lambda: not _ready(store, server.address), what="unready")
-        # Connection refused is immediate: threshold * interval (+ jitter), far under a second.
-        assert took < 0.6
+        timeouts_before = _scrapes(server.address, "timeout")
+        await eventually(lambda: not _ready(store, server.address), what="unready")
+        # Connection refused is immediate: the failures are errors, never a timeout's wait
+        # (how long they take is a matter for the machine's load, not for this test).
+        assert _scrapes(server.address, "timeout") == timeouts_before
         outage = store.puts[stopped_at:]
         # Ready through two failures, unready from the third; last known metrics are kept.
         assert [(s.failures, s.ready) for s in outage[:3]] == [(1, True), (2, True), (3, False)]
@@ -257,9 +258,10 @@ async def test_dead_endpoint_does_not_affect_others(servers) -> None:
     try:
         await eventually(lambda: getattr(_state(store, dead), "failures", 0) >= 5, what="failures")
         assert _ready(store, good.address)
-        good_state = _state(store, good.address)
-        assert good_state is not None
-        assert time.time() - good_state.scraped_at < 0.5
+        # The good endpoint goes on being scraped beside the failing one.
+        ok = _scrapes(good.address, "ok")
+        await eventually(lambda: _scrapes(good.address, "ok") >= ok + 3, what="more good scrapes")
+        assert _ready(store, good.address)
         assert not _ready(store, dead)
     finally:
         await scraper.stop()
