@@ -50,12 +50,13 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 # Bookkeeping after the pick, off the answer path: the answer is sent.
                 handler.settle()
         finally:
-            # Envoy closes the stream when the HTTP exchange ends (response sent or reset): an
-            # unfinished response is recorded here, and a request whose end epp did not see
-            # stops counting against its endpoint (the one that served it, after a retry).
+            # Envoy closes the stream when the HTTP exchange ends (response sent or reset), so
+            # this is where the request stops counting against its endpoint (the one that
+            # served it, after a retry), and where an unfinished response is recorded.
             handler.settle()
             handler.close()
-            handler.release()
+            if handler.ticket is not None:
+                self._router.finish(handler.ticket)
             IN_FLIGHT.dec()
             handler.end_trace()
 

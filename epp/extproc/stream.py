@@ -103,7 +103,6 @@ class StreamHandler:
         "_headers",
         "_observer",
         "_passing",
-        "_released",
         "_request",
         "_response_ended",
         "_response_full_duplex",
@@ -143,10 +142,9 @@ class StreamHandler:
         # When the response completed (the clock's time): what it showed is recorded by
         # settle(), after the answer.
         self._response_ended: float | None = None
-        # The pick's footprint (in-flight ticket, prefix insertions, session); its ticket is
-        # released once (release()).
+        # The pick's footprint (in-flight ticket, prefix insertions, session); the servicer
+        # releases its ticket when the stream ends.
         self.pick: PickRecord | None = None
-        self._released = False
         # A parsed request waiting for the servicer to await Router.prepare.
         self.pending: Pending | None = None
         # Only for a sampled request while tracing is configured (epp.tracing).
@@ -292,7 +290,6 @@ class StreamHandler:
         once the answers of a message are sent; idempotent."""
         if self._response_ended is not None:
             self.close(complete=True, at=self._response_ended)
-            self.release()
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
@@ -305,17 +302,6 @@ class StreamHandler:
                     log.exception("post-pick bookkeeping failed")
         if self.pick is not None:
             self.pick.learned.extend(learned)
-
-    def release(self) -> None:
-        """The request stops counting against the endpoint that served it: as soon as epp sees
-        its response end (the engine has freed its slot; settle() calls this), otherwise when
-        the stream closes (the servicer's ``finally``). Envoy closes the stream only after
-        the client has the whole response, and a busy epp reads that close late: counting
-        until then kept requests in flight that no engine held any more. Idempotent."""
-        if self.pick is None or self._released:
-            return
-        self._released = True
-        self._router.finish(self.pick.ticket)
 
     def close(self, complete: bool = False, at: float | None = None) -> None:
         """The response ended (``complete``, ``at`` the clock's time, default now) or its

@@ -157,25 +157,16 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     assert _sample("epp_tokens_total", model="tiny", objective="", kind="completion") == (
         tokens_before
     )
-    assert fleet.inflight.load(A).requests == 1  # counted until settle, after the answer
     now[0] = 100.9
     handler.settle()
     assert _sample("epp_tokens_total", model="tiny", objective="", kind="completion") == (
         tokens_before + 4
     )
-    # The response ended: the engine holds the request no more, before Envoy closes the stream.
-    assert (fleet.inflight.load(A).requests, fleet.inflight.load(B).requests) == (0, 0)
     handler.close()  # the servicer's finally: idempotent
-    handler.release()
     assert handler.ticket is not None
     assert handler.ticket.endpoint == A
-    other = StreamHandler(router)  # a second request on A: the repeated release spares it
-    other.handle(headers_msg())
-    other.handle(body_msg(body))
-    assert other.ticket is not None
-    counted = fleet.inflight.load(other.ticket.endpoint).requests
-    handler.release()
-    assert fleet.inflight.load(other.ticket.endpoint).requests == counted == 1
+    router.finish(handler.ticket)
+    assert (fleet.inflight.load(A).requests, fleet.inflight.load(B).requests) == (0, 0)
 
 
 async def test_served_endpoint_from_gie_metadata() -> None:
@@ -191,8 +182,7 @@ async def test_served_endpoint_from_gie_metadata() -> None:
     lb.fields["x-gateway-destination-endpoint-served"].string_value = A
     handler.handle(msg)
     assert handler.ticket.endpoint == A
-    handler.release()  # the stream closed without an end epp saw
-    assert router.fleet.inflight.load(A).requests == 0
+    router.finish(handler.ticket)
 
 
 async def test_full_duplex_response_is_echoed() -> None:
@@ -258,7 +248,8 @@ async def test_first_token_ends_the_prefill_and_teaches_the_latency_model() -> N
     assert described is not None
     assert described["ttft_samples"] == 1
     assert described["evidence"]["tpot"] > 0
-    assert fleet.inflight.load(endpoint) == type(load)()  # released at the response's end
+    router.finish(handler.ticket)
+    assert fleet.inflight.load(endpoint) == type(load)()
 
 
 async def test_passive_health_times_a_long_cold_prompt_per_latency_prompt_tokens() -> None:
@@ -290,6 +281,7 @@ async def test_passive_health_times_a_long_cold_prompt_per_latency_prompt_tokens
         state = fleet.health.state(endpoint)
         assert state is not None
         samples.append((state.latencies[-1][1], uncached))
+        router.finish(handler.ticket)
     (scaled, uncached), (measured, _) = samples
     assert scaled == pytest.approx(0.4 * 64 / uncached)
     assert measured == pytest.approx(0.4)

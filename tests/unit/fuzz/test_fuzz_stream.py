@@ -123,9 +123,9 @@ def run_stream(router: Router, messages: list[Message]) -> StreamHandler:
             # Buffers are bounded by the body limit plus one chunk, however the stream goes.
             assert sum(map(len, handler._body)) <= LIMIT + 40_000
     finally:
-        handler.settle()
         handler.close()
-        handler.release()
+        if handler.ticket is not None:
+            router.finish(handler.ticket)
     return handler
 
 
