@@ -20,16 +20,10 @@ from epp.discovery.spec import DiscoverySpec, DnsSpec
 # Envoy's next resolution comes at most one interval after epp's; the second interval covers
 # a slow resolver and the cluster update reaching Envoy's workers.
 SETTLE_INTERVALS = 2.0
-# ... but never less than this: on a loaded machine (the compose check under CI) a request
-# failed with 503 after a scale-up although the window of two 1 s intervals had been in force.
-# A long window costs nothing: it only appends a replica Envoy surely knows after epp's own
-# choices, which Envoy reaches only when it has skipped them all.
-SETTLE_FLOOR_SECONDS = 10.0
 
 
 class Settling:
-    """Endpoints of DNS pools that joined less than :data:`SETTLE_INTERVALS` intervals (and
-    :data:`SETTLE_FLOOR_SECONDS`) ago."""
+    """Endpoints of DNS pools that joined less than :data:`SETTLE_INTERVALS` intervals ago."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -53,8 +47,7 @@ class Settling:
             for address in members:
                 present.add(address)
                 if not first and address not in self._known:
-                    window = max(SETTLE_INTERVALS * spec.interval, SETTLE_FLOOR_SECONDS)
-                    self._until[address] = now + window
+                    self._until[address] = now + SETTLE_INTERVALS * spec.interval
         self._known = present
         for address in list(self._until):
             if address not in present:
