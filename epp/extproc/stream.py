@@ -325,9 +325,8 @@ class StreamHandler:
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
-            uncached = None
-            if self.pick is not None and self.pick.endpoint == endpoint:
-                uncached = self.pick.uncached
+            # A retry moved the pick to the served endpoint without its count (move_pick).
+            uncached = self.pick.uncached if self.pick is not None else None
             judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time(), uncached)
         if self._trace is not None:
             self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
