@@ -9,9 +9,11 @@
   the fallback, and the failed attempt is otherwise invisible to epp.
 - Anything else is a success; when it is complete and below 400 its latency (time to first
   token when streamed, the whole response otherwise) feeds the latency-outlier check. A TTFT
-  is first scaled to ``latency_prompt_tokens`` uncached prompt tokens when the request had more
-  (:func:`latency_sample`), so that prefilling a prompt no replica cached does not look like a
-  slow replica next to ones serving cache hits.
+  is first scaled to ``latency_prompt_tokens`` prefill tokens when more were ahead of the first
+  token at the pick (:func:`latency_sample`): the request's own uncached prompt plus the
+  prefill queued ahead of it. So prefilling a prompt no replica cached does not look like a
+  slow replica next to ones serving cache hits, and neither does a replica whose queue is
+  longer because it holds the popular prefixes: both are work, not slowness.
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ from epp.extproc.response_stream import Outcome
 from epp.state.health import HealthTracker, pool_of
 
 
-def latency_sample(outcome: Outcome, uncached: int | None, prompt_tokens: int) -> float | None:
+def latency_sample(outcome: Outcome, ahead: int | None, prompt_tokens: int) -> float | None:
     """The latency ``outcome`` contributes: its TTFT when streamed, scaled down to
-    ``prompt_tokens`` (0: never) when the request had ``uncached`` > ``prompt_tokens`` uncached
-    prompt tokens; the whole response otherwise (None: no TTFT was seen).
+    ``prompt_tokens`` (0: never) when ``ahead`` > ``prompt_tokens`` prefill tokens were ahead
+    of its first token at the pick; the whole response otherwise (None: no TTFT was seen).
 
     Only the TTFT is scaled: it is the prefill of the uncached prompt plus the queue ahead of
-    it, while a whole response's time is mostly decoding, which the prompt does not set.
+    it, while a whole response's time is mostly decoding, which the prompt does not set. The
+    queue counts as well as the prompt: scaling by the prompt alone divided the queueing delay
+    of cold requests and not that of cache hits, so past saturation the replicas serving hits
+    looked slow and were ejected (docs/health.md).
     """
     if not outcome.streamed:
         return outcome.seconds
     ttft = outcome.ttft
-    if ttft is None or not prompt_tokens or uncached is None or uncached <= prompt_tokens:
+    if ttft is None or not prompt_tokens or ahead is None or ahead <= prompt_tokens:
         return ttft
-    return ttft * prompt_tokens / uncached
+    return ttft * prompt_tokens / ahead
 
 
 def judge(
@@ -44,10 +49,10 @@ def judge(
     endpoint: str,
     outcome: Outcome,
     now: float,
-    uncached: int | None = None,
+    ahead: int | None = None,
 ) -> None:
-    """Record ``outcome`` as an answer of ``endpoint`` (the one that served); ``uncached``:
-    the request's uncached prompt tokens on ``endpoint`` as counted at the pick (None:
+    """Record ``outcome`` as an answer of ``endpoint`` (the one that served); ``ahead``: the
+    prefill tokens ahead of its first token on ``endpoint`` as counted at the pick (None:
     unknown, e.g. a fallback served it)."""
     pool, members = pool_of(endpoint, pools)
     if outcome.status >= 500:
@@ -57,7 +62,7 @@ def judge(
     else:
         latency = None
         if outcome.status < 400:
-            latency = latency_sample(outcome, uncached, tracker.config.latency_prompt_tokens)
+            latency = latency_sample(outcome, ahead, tracker.config.latency_prompt_tokens)
         tracker.observe(endpoint, pool, members, False, latency, now)
 
 

@@ -326,8 +326,8 @@ class StreamHandler:
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
             # A retry moved the pick to the served endpoint without its count (move_pick).
-            uncached = self.pick.uncached if self.pick is not None else None
-            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time(), uncached)
+            ahead = self.pick.prefill_ahead if self.pick is not None else None
+            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time(), ahead)
         if self._trace is not None:
             self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
 
@@ -473,8 +473,9 @@ class StreamHandler:
                 started,
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
+        ahead = ticket.basis.prefill_ahead if ticket.basis is not None else ticket.prefill
         self.pick = PickRecord(
-            ticket, request.session, picked_at=self._clock(), uncached=ticket.prefill
+            ticket, request.session, picked_at=self._clock(), prefill_ahead=ahead
         )
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request

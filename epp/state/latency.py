@@ -77,6 +77,12 @@ class Basis:
     target: LatencyTarget | None = None
     objective: str = ""
 
+    @property
+    def prefill_ahead(self) -> int:
+        """Prefill tokens ahead of the request's first token as the model saw them at the pick:
+        its own uncached prompt plus the prefill queued ahead of it (``U + Q``)."""
+        return round((self.features[1] + self.features[2]) * TOKENS_UNIT)
+
 
 @dataclass(slots=True)
 class Stats:

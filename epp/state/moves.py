@@ -32,9 +32,10 @@ class PickRecord:
     # when its first token arrived (the latency model's decode batch).
     picked_at: float = 0.0
     decoding: int = 0
-    # The request's uncached prompt tokens on the endpoint, as counted at the pick (passive
-    # health scales its TTFT by them); None when unknown (a fallback served it).
-    uncached: int | None = None
+    # Prefill tokens ahead of the request's first token on the endpoint, as counted at the
+    # pick: its uncached prompt plus the prefill queued ahead (passive health scales its TTFT
+    # by them); None when unknown (a fallback served it).
+    prefill_ahead: int | None = None
 
     @property
     def endpoint(self) -> str:

@@ -53,12 +53,12 @@ def streamed(ttft: float) -> Outcome:
     return Outcome("a", 200, seconds=2.0, complete=True, streamed=True, ttft=ttft)
 
 
-def test_a_streamed_ttft_counts_per_latency_prompt_tokens_of_uncached_prompt() -> None:
-    """A 2,048-token cold prefill taking 0.4 s counts as 0.1 s (per 512 tokens); a prompt
-    within 512 uncached tokens, or one whose count is unknown, counts as measured."""
+def test_a_streamed_ttft_counts_per_latency_prompt_tokens_of_prefill_ahead() -> None:
+    """A first token behind 2,048 prefill tokens taking 0.4 s counts as 0.1 s (per 512
+    tokens); one behind at most 512, or behind an unknown count, counts as measured."""
     health = tracker()  # latency_prompt_tokens: the default 512
-    judge(health, POOLS, "a", streamed(0.4), 1.0, uncached=2048)
-    judge(health, POOLS, "a", streamed(0.4), 2.0, uncached=512)
+    judge(health, POOLS, "a", streamed(0.4), 1.0, ahead=2048)
+    judge(health, POOLS, "a", streamed(0.4), 2.0, ahead=512)
     judge(health, POOLS, "a", streamed(0.4), 3.0)
     state = health.state("a")
     assert state is not None
@@ -68,8 +68,8 @@ def test_a_streamed_ttft_counts_per_latency_prompt_tokens_of_uncached_prompt() -
 def test_whole_response_latency_and_a_scaling_of_zero_are_not_scaled() -> None:
     health = HealthTracker()
     health.configure(HealthConfig(latency_samples=1, latency_prompt_tokens=0), ("a", "b"))
-    judge(health, POOLS, "a", streamed(0.4), 1.0, uncached=2048)
-    judge(health, POOLS, "a", outcome(), 2.0, uncached=2048)
+    judge(health, POOLS, "a", streamed(0.4), 1.0, ahead=2048)
+    judge(health, POOLS, "a", outcome(), 2.0, ahead=2048)
     state = health.state("a")
     assert state is not None
     assert [s for _, s in state.latencies] == [0.4, 0.5]
@@ -84,12 +84,33 @@ def test_cold_prefills_next_to_cache_hits_do_not_eject_but_a_slow_replica_still_
     health = HealthTracker(config)
     health.configure(config, ("a", "b"))
     for i in range(4):
-        judge(health, POOLS, "b", streamed(0.08), 1.0 + i, uncached=256)
-        judge(health, POOLS, "a", streamed(0.45), 1.0 + i, uncached=2304)
+        judge(health, POOLS, "b", streamed(0.08), 1.0 + i, ahead=256)
+        judge(health, POOLS, "a", streamed(0.45), 1.0 + i, ahead=2304)
     a = health.state("a")
     assert a is not None
     assert a.until == 0.0
     for i in range(4):
-        judge(health, POOLS, "a", streamed(1.8), 5.0 + i, uncached=2304)
+        judge(health, POOLS, "a", streamed(1.8), 5.0 + i, ahead=2304)
     assert a.until > 0.0
     assert a.reason == "latency"
+
+
+def test_a_queue_ahead_of_cache_hits_is_work_not_slowness() -> None:
+    """Past saturation (docs/health.md): "b" holds the popular prefixes, so its cache hits
+    (256 uncached tokens) wait behind 3,000 queued prefill tokens and take 0.8 s, while "a"
+    prefills cold 2,304-token prompts with nothing queued in 0.45 s. Counting the queue, both
+    are ~0.1-0.13 s per 512 tokens; scaled by the prompt alone (0.8 raw against 0.1) "b" was
+    the outlier. A replica as slow on the same work ahead is still ejected."""
+    config = HealthConfig(latency_samples=4, max_ejection_percent=50)
+    health = HealthTracker(config)
+    health.configure(config, ("a", "b"))
+    for i in range(4):
+        judge(health, POOLS, "a", streamed(0.45), 1.0 + i, ahead=2304)
+        judge(health, POOLS, "b", streamed(0.8), 1.0 + i, ahead=256 + 3000)
+    b = health.state("b")
+    assert b is not None
+    assert b.until == 0.0
+    for i in range(4):
+        judge(health, POOLS, "b", streamed(3.0), 5.0 + i, ahead=256 + 3000)
+    assert b.until > 0.0
+    assert b.reason == "latency"

@@ -252,36 +252,44 @@ async def test_first_token_ends_the_prefill_and_teaches_the_latency_model() -> N
     assert fleet.inflight.load(endpoint) == type(load)()
 
 
-async def test_passive_health_times_a_long_cold_prompt_per_latency_prompt_tokens() -> None:
-    """The pick's uncached prompt reaches passive health: with ``latency_prompt_tokens`` 64, a
-    streamed TTFT of 0.4 s for a ~200-token prompt cached nowhere is a sample of 0.4 x 64 /
-    uncached; after a retry (another endpoint served, its cache unknown) the TTFT counts as
-    measured."""
-    router = await make_router()
+async def test_passive_health_times_a_first_token_per_prefill_tokens_ahead() -> None:
+    """The prefill ahead of a request's first token reaches passive health: its own uncached
+    prompt plus the uncached prompts still waiting on that endpoint when it was picked. With
+    ``latency_prompt_tokens`` 64, a second request picked behind the first (both ~200-token
+    prompts cached nowhere, one ready endpoint) and answered 0.4 s later is a sample of
+    0.4 x 64 / (both prompts); the first, retried elsewhere (what was ahead there unknown),
+    counts as measured."""
+    router = await make_router(ready=(B,))
     fleet = router.fleet
     fleet.health.configure(replace(fleet.health.config, latency_prompt_tokens=64), (A, B))
-    samples = []
     now = [100.0]
-    for served, text in (("picked", "x"), ("retried", "y")):  # each prompt cached nowhere
-        now[0] = 100.0
+
+    def picked(text: str) -> StreamHandler:
         handler = StreamHandler(router, clock=lambda: now[0])
         body = json.dumps({"model": "tiny", "prompt": text * 800, "max_tokens": 2, "stream": True})
         handler.handle(headers_msg())
         handler.handle(body_msg(body.encode()))
         assert handler.ticket is not None
-        picked = handler.ticket.endpoint
-        uncached = handler.ticket.prefill
-        assert uncached > 150
-        endpoint = picked if served == "picked" else (A if picked == B else B)
-        handler.handle(_response_headers({**SSE_HEADERS, SERVED: endpoint}))
-        now[0] = 100.4
+        assert handler.ticket.endpoint == B
+        return handler
+
+    def answered(handler: StreamHandler, served: str) -> float:
+        handler.handle(_response_headers({**SSE_HEADERS, SERVED: served}))
+        now[0] += 0.4
         handler.handle(_response_body(ROLE + token("a")))
         handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
         handler.settle()
-        state = fleet.health.state(endpoint)
+        state = fleet.health.state(served)
         assert state is not None
-        samples.append((state.latencies[-1][1], uncached))
+        assert handler.ticket is not None
         router.finish(handler.ticket)
-    (scaled, uncached), (measured, _) = samples
-    assert scaled == pytest.approx(0.4 * 64 / uncached)
-    assert measured == pytest.approx(0.4)
+        return state.latencies[-1][1]
+
+    first, second = picked("x"), picked("y")
+    assert first.ticket is not None
+    assert second.ticket is not None
+    assert first.ticket.prefill > 150
+    assert second.ticket.prefill > 150
+    ahead = first.ticket.prefill + second.ticket.prefill
+    assert answered(second, B) == pytest.approx(0.4 * 64 / ahead)
+    assert answered(first, A) == pytest.approx(0.8)  # its first token came 0.8 s after its pick
