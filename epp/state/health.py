@@ -15,10 +15,12 @@ stall; the scrape-based readiness never sees it. epp sees every response on the 
   and above ``latency_floor_seconds``, ejects it. Comparing with the *others* lets a slow
   endpoint stand out in a pool of two, and keeps the healthy half of a pool from looking slow
   when the other half is. A streamed response's TTFT counts per ``latency_prompt_tokens``
-  uncached prompt tokens (as epp counted them at the pick) when its prompt had more: a cold
-  prefill of a long prompt is slow on every replica, and compared raw with replicas that serve
-  prefix-cache hits it made the replica that had just taken on new prefix groups an "outlier"
-  (docs/health.md).
+  prefill tokens ahead of its first token (the request's uncached prompt plus the prefill
+  queued ahead of it, as epp counted them at the pick) when there were more: a cold prefill
+  of a long prompt is slow on every replica, and so is a queue; compared raw with replicas
+  serving prefix-cache hits, the replica that had just taken on new prefix groups was an
+  "outlier", and scaled by the prompt alone, past saturation the replicas holding the popular
+  prefixes were (docs/health.md).
 
 Each endpoint is a circuit: CLOSED (serves), OPEN until its ejection time has passed, then
 HALF_OPEN: one trial request at a time may go there (:meth:`HealthTracker.admits`,
@@ -68,9 +70,10 @@ class HealthConfig:
     latency_factor: float = 3.0
     latency_floor_seconds: float = 0.05
     latency_samples: int = 10
-    # A streamed TTFT whose request had more uncached prompt tokens than this is scaled to this
-    # many (TTFT x latency_prompt_tokens / uncached) before the comparison; shorter prompts
-    # count as measured, their TTFT being mostly per-request cost and queue. 0: never scaled.
+    # A streamed TTFT with more prefill tokens than this ahead of it at the pick (its uncached
+    # prompt plus the prefill queued ahead) is scaled to this many (TTFT x
+    # latency_prompt_tokens / ahead) before the comparison; less work ahead counts as
+    # measured, the TTFT being mostly per-request cost. 0: never scaled.
     latency_prompt_tokens: int = 512
     base_ejection_seconds: float = 5.0
     max_ejection_seconds: float = 60.0
