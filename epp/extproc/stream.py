@@ -246,10 +246,13 @@ class StreamHandler:
             and served != self.pick.endpoint
         ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
-            # the picked endpoint failed an attempt.
+            # the picked endpoint failed an attempt, unless it joined so recently that Envoy
+            # may not have resolved it: override_host then skips it without trying it, and
+            # counting that against it ejected fresh replicas right after a scale-up.
             now = time.time()
             fleet = self._router.fleet
-            judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
+            if not self._router.settling.settling(self.pick.endpoint):
+                judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
             self.pick = move_pick(fleet, self.pick, served, now)
             MOVED.inc()
         if self._trace is not None:

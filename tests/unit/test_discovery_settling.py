@@ -7,12 +7,16 @@ from dataclasses import replace
 from epp.config import parse_config
 from epp.discovery.settling import SETTLE_INTERVALS, Settling
 from epp.discovery.spec import DnsSpec, StaticSpec
+from epp.extproc.stream import StreamHandler
 from epp.request import InferenceRequest
 from epp.router import Router
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.snapshot import EndpointMetrics
+from epp.wire import SERVED
+from tests.unit.test_response_stream import SSE_HEADERS, _response_headers
+from tests.unit.test_stream import body_msg, headers_msg
 
 OLD = ("10.0.0.1:8000", "10.0.0.2:8000")
 NEW = ("10.0.0.3:8000", "10.0.0.4:8000")
@@ -113,3 +117,26 @@ async def test_once_settled_the_list_is_epps_choice_alone() -> None:
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
     decision, _ = router.route(request)
     assert {e.address for e in decision.endpoints} == set(NEW)
+
+
+async def test_a_settling_replica_envoy_skipped_is_not_judged_failed() -> None:
+    """Envoy's ``override_host`` skips an address its cluster lacks without trying it, so a
+    request picked for a replica that has just joined is served by the next one in the list.
+    That is not a failed attempt of the new replica: counted as one, a scale-up's new replicas
+    were ejected (consecutive failures) before Envoy had ever resolved them. Once settled, the
+    same move is a retry and counts against the picked replica."""
+    router = await _router()  # NEW have just joined
+    for settled in (False, True):
+        if settled:
+            router.settling = Settling()  # nothing joined recently
+        handler = StreamHandler(router)
+        handler.handle(headers_msg())
+        handler.handle(body_msg(b'{"model": "tiny", "prompt": "hello"}'))
+        assert handler.ticket is not None
+        picked = handler.ticket.endpoint
+        assert picked in NEW
+        handler.handle(_response_headers({**SSE_HEADERS, SERVED: OLD[0]}))
+        state = router.fleet.health.state(picked)
+        failures = [failed for _, failed in state.outcomes] if state is not None else []
+        assert failures == ([True] if settled else [])
+        router.finish(handler.ticket)
