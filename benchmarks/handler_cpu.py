@@ -8,6 +8,12 @@ is busy. Set-up as in the overhead benchmark: one model on three ready endpoints
 profile, the response path on (response headers, a JSON body with usage, trailers), the served
 endpoint reported as Envoy reports it.
 
+The no-op and floor ext_procs of the overhead benchmark (``benchmarks/noop_extproc.py``,
+``benchmarks/floor_extproc.py``) are timed alike through their whole stream loop (epp's figure
+is its handler without the servicer's loop around it), so the floor's column is the least any
+picker's Python costs per request and the no-op's what the loop and answers cost without a
+decision.
+
 Usage: ``python -m benchmarks.handler_cpu [--requests 5000] [--repeat 5]
 [--before OTHER_WORKTREE]``; ``--before`` runs the same script with that worktree's interpreter
 (its own epp) and prints both. The minimum over ``--repeat`` passes is shown (the least
@@ -21,7 +27,11 @@ import asyncio
 import json
 import subprocess
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import cast
+
+import grpc
 
 from epp._proto import core_pb2, ext_proc_pb2, processing_mode_pb2
 from epp.config import parse_config
@@ -55,6 +65,8 @@ COMPLETION = json.dumps(
 ).encode()
 
 Request = list[ext_proc_pb2.ProcessingRequest]
+# Drives a batch of requests through the code timed.
+Driver = Callable[[list[Request]], Awaitable[None]]
 
 
 def _headers(values: dict[str, str]) -> core_pb2.HeaderMap:
@@ -124,8 +136,28 @@ def drive(router: Router, batch: list[Request]) -> None:
             router.finish(handler.ticket)
 
 
+def _body(size: str) -> bytes:
+    length = SIZES[size]
+    prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
+    return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+
+
+async def _best(size: str, mode: str, requests: int, repeat: int, run: Driver) -> float:
+    """Minimum CPU µs per request of ``run`` over ``repeat`` passes (after one warm-up pass)."""
+    body = _body(size)
+    best = float("inf")
+    for attempt in range(repeat + 1):
+        batch = [messages(i, body, mode) for i in range(requests)]
+        started = time.process_time()
+        await run(batch)
+        spent = (time.process_time() - started) / requests * 1e6
+        if attempt:  # the first pass warms caches and the fleet state
+            best = min(best, spent)
+    return best
+
+
 async def measure(size: str, mode: str, requests: int, repeat: int) -> float:
-    """Minimum CPU µs per request over ``repeat`` passes (after one warm-up pass)."""
+    """epp's handler: minimum CPU µs per request."""
     config = parse_config(
         {
             "models": {"tiny": {"pools": ["main"]}},
@@ -139,18 +171,36 @@ async def measure(size: str, mode: str, requests: int, repeat: int) -> float:
         state = EndpointState(address, "main", True, EndpointMetrics(), time.time() + 3600)
         await store.put_endpoint(state)
     router = Router(config, FleetState(store))
-    length = SIZES[size]
-    prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
-    best = float("inf")
-    for attempt in range(repeat + 1):
-        batch = [messages(i, body, mode) for i in range(requests)]
-        started = time.process_time()
+
+    async def run(batch: list[Request]) -> None:
         drive(router, batch)
-        spent = (time.process_time() - started) / requests * 1e6
-        if attempt:  # the first pass warms caches and the fleet state
-            best = min(best, spent)
-    return best
+
+    return await _best(size, mode, requests, repeat, run)
+
+
+async def _stream(request: Request) -> AsyncIterator[ext_proc_pb2.ProcessingRequest]:
+    for message in request:
+        yield message
+
+
+async def measure_baseline(setup: str, size: str, mode: str, requests: int, repeat: int) -> float:
+    """The overhead benchmark's no-op or floor ext_proc: its whole stream loop per request
+    (the async generator gRPC drives, every answer), minimum CPU µs per request."""
+    # Imported here: ``--before`` runs this file by path with -P under another worktree's
+    # interpreter, where ``benchmarks`` is not importable (only epp's own figure is asked there).
+    from benchmarks.floor_extproc import FloorProcessor
+    from benchmarks.noop_extproc import NoopProcessor
+
+    processor = NoopProcessor(ENDPOINTS[:1]) if setup == "noop" else FloorProcessor(ENDPOINTS)
+    # Neither server uses its gRPC context.
+    context = cast(grpc.aio.ServicerContext, None)
+
+    async def run(batch: list[Request]) -> None:
+        for request in batch:
+            async for _ in processor.Process(_stream(request), context):
+                pass
+
+    return await _best(size, mode, requests, repeat, run)
 
 
 def main() -> None:
@@ -172,6 +222,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(ours))
         return
+    baselines = {
+        (setup, f"{mode} {size}"): asyncio.run(
+            measure_baseline(setup, size, mode, args.requests, args.repeat)
+        )
+        for setup in ("noop", "floor")
+        for mode in modes
+        for size in sizes
+    }
     before: dict[str, float] = {}
     if args.before:
         argv = [str(Path(args.before) / ".venv" / "bin" / "python"), "-P", __file__, "--json"]
@@ -179,11 +237,16 @@ def main() -> None:
         argv += [f"--size={s}" for s in sizes] + [f"--mode={m}" for m in modes]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         before = json.loads(out.splitlines()[-1])
-    print("| mode, prompt |" + (" before µs/req |" if before else "") + " epp µs/req |")
-    print("|---|" + ("---|" if before else "") + "---|")
+    print(
+        "| mode, prompt | noop µs/req | floor µs/req |"
+        + (" before µs/req |" if before else "")
+        + " epp µs/req |"
+    )
+    print("|---|---|---|" + ("---|" if before else "") + "---|")
     for key, value in ours.items():
         old = f" {before[key]:.0f} |" if before else ""
-        print(f"| {key} |{old} {value:.0f} |")
+        floor = f" {baselines['noop', key]:.0f} | {baselines['floor', key]:.0f} |"
+        print(f"| {key} |{floor}{old} {value:.0f} |")
 
 
 if __name__ == "__main__":

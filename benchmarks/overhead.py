@@ -1,10 +1,12 @@
 """What epp adds to a request's latency through Envoy, measured side by side in one run.
 
-Three set-ups share one backend (an Envoy ``direct_response`` listener that answers like a vLLM
+Four set-ups share one backend (an Envoy ``direct_response`` listener that answers like a vLLM
 replica, so the backend costs almost nothing) and one load generator (wrk):
 
 - ``envoy``: Envoy routes straight to the backend; no ext_proc.
-- ``noop``: Envoy + a no-op Python ext_proc that returns a fixed destination (the floor).
+- ``noop``: Envoy + a no-op Python ext_proc that returns a fixed destination unread.
+- ``floor``: Envoy + the least work any Python picker must do (``benchmarks/floor_extproc.py``:
+  read the headers, parse the body once, pick in turn, answer like epp).
 - ``epp``: Envoy + epp, which parses the OpenAI body and schedules over 3 scraped endpoints.
 
 For each body mode (buffered, full-duplex), prompt size (1 KB, 8 KB, 200 KB) and concurrency (1,
@@ -32,7 +34,7 @@ from typing import Any, cast
 
 import yaml
 
-from epp.config import parse_config
+from epp.config import Config, load_config, parse_config
 from epp.devstack import Proc, envoy_binary, free_port, http_ok
 from epp.envoy_config import Mode, ext_proc_settings, render
 
@@ -244,6 +246,62 @@ def epp_argv(
     ]
 
 
+# The Python ext_proc servers measured beside epp, run with -m from the repository.
+BASELINES = {"noop": "benchmarks.noop_extproc", "floor": "benchmarks.floor_extproc"}
+
+
+def pool_config(backends: list[int]) -> dict[str, Any]:
+    """epp's configuration for the backend's replicas (model ``tiny``, pool ``main``)."""
+    return {
+        "models": {"tiny": {"pools": ["main"]}},
+        "pools": {"main": {"endpoints": [f"127.0.0.1:{p}" for p in backends]}},
+        "server": {"host": "127.0.0.1"},
+        "routing": {"max_body_bytes": 4 * 1024 * 1024},
+    }
+
+
+def front_config(config: Config, mode: str, grpc_port: int, health: int) -> tuple[str, int, int]:
+    """A front Envoy's bootstrap as `epp envoy-config` renders it for ``mode``, with the ext_proc
+    server at ``grpc_port`` (health on ``health``); with its listener and admin ports."""
+    listen, admin = free_port(), free_port()
+    rendered = render(
+        config,
+        mode=cast(Mode, mode),
+        listen=f"127.0.0.1:{listen}",
+        admin=f"127.0.0.1:{admin}",
+        extproc=[f"127.0.0.1:{grpc_port}"],
+        health=[f"127.0.0.1:{health}"],
+    )
+    return rendered, listen, admin
+
+
+def start_setup(
+    bench: Bench, setup: str, mode: str, config_path: Path, python: str, probe: bytes
+) -> tuple[Proc, int]:
+    """Start ``setup``'s ext_proc server (a :data:`BASELINES` server, or epp run by ``python``
+    with the configuration at ``config_path``) and its front Envoy as `epp envoy-config`
+    renders it for ``mode``; return the server and the front's port once ``probe`` (a
+    completion request) routes to a replica."""
+    config = load_config(config_path)
+    grpc_port, health, metrics = free_port(), free_port(), free_port()
+    if setup in BASELINES:
+        # The no-op routes everything to the first replica; the floor picks among all of them.
+        endpoints = config.pools["main"]
+        argv = [sys.executable, "-m", BASELINES[setup], "--port", str(grpc_port)]
+        for endpoint in endpoints[:1] if setup == "noop" else endpoints:
+            argv += ["--destination", endpoint]
+        server = bench.spawn(f"{setup}-{mode}", argv)
+    else:
+        argv = epp_argv(python, config_path, grpc_port, health, metrics)
+        server = bench.spawn(f"{setup}-{mode}", argv)
+        bench.wait(setup, lambda: http_ok(f"http://127.0.0.1:{metrics}/metrics"))
+    rendered, listen, admin = front_config(config, mode, grpc_port, health)
+    bench.envoy(f"front-{setup}-{mode}", rendered, admin)
+    # Wait until a real request routes (epp needs its first scrape).
+    bench.wait("first routed request", lambda: _post_ok(listen, "/v1/completions", probe))
+    return server, listen
+
+
 IDLE_SECONDS = 3.0
 
 
@@ -273,15 +331,8 @@ def run(
         bench.envoy(
             "backend", backend_config(backends, free_port_admin := free_port()), free_port_admin
         )
-        epp_config = {
-            "models": {"tiny": {"pools": ["main"]}},
-            "pools": {"main": {"endpoints": [f"127.0.0.1:{p}" for p in backends]}},
-            "server": {"host": "127.0.0.1"},
-            "routing": {"max_body_bytes": 4 * 1024 * 1024},
-        }
         config_path = workdir / "epp.yaml"
-        config_path.write_text(yaml.safe_dump(epp_config))
-        config = parse_config(epp_config)
+        config_path.write_text(yaml.safe_dump(pool_config(backends)))
         modes = ["buffered"] if args.quick else ["buffered", "full-duplex"]
         sizes = args.size or list(SIZES)
         for mode in modes if args.part != "streaming" else []:
@@ -291,38 +342,15 @@ def run(
                 listen, admin = free_port(), free_port()
                 bench.envoy("envoy", plain_config(listen, admin, backends[0]), admin)
                 fronts["envoy"] = listen
-            for setup in ["noop", *pythons]:
-                grpc_port, health, metrics = free_port(), free_port(), free_port()
-                if setup == "noop":
-                    argv = [
-                        sys.executable,
-                        str(ROOT / "benchmarks" / "noop_extproc.py"),
-                        "--port",
-                        str(grpc_port),
-                        "--destination",
-                        f"127.0.0.1:{backends[0]}",
-                    ]
-                    servers[setup] = bench.spawn(f"noop-{mode}", argv)
-                else:
-                    argv = epp_argv(pythons[setup], config_path, grpc_port, health, metrics)
-                    servers[setup] = bench.spawn(f"{setup}-{mode}", argv)
-                    bench.wait(setup, lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
-                listen, admin = free_port(), free_port()
-                rendered = render(
-                    config,
-                    mode=cast(Mode, mode),
-                    listen=f"127.0.0.1:{listen}",
-                    admin=f"127.0.0.1:{admin}",
-                    extproc=[f"127.0.0.1:{grpc_port}"],
-                    health=[f"127.0.0.1:{health}"],
+            for setup in ["noop", "floor", *pythons]:
+                servers[setup], fronts[setup] = start_setup(
+                    bench,
+                    setup,
+                    mode,
+                    config_path,
+                    pythons.get(setup, sys.executable),
+                    bodies["1KB"].read_bytes(),
                 )
-                bench.envoy(f"front-{setup}-{mode}", rendered, admin)
-                # Wait until a real request routes (epp needs its first scrape).
-                bench.wait(
-                    "first routed request",
-                    lambda p=listen: _post_ok(p, "/v1/completions", bodies["1KB"].read_bytes()),
-                )
-                fronts[setup] = listen
             # Background work (scrapes, health checks) costs CPU with no request at all.
             before_idle = {setup: cpu_seconds(proc.popen.pid) for setup, proc in servers.items()}
             time.sleep(IDLE_SECONDS)
@@ -337,9 +365,9 @@ def run(
                             url = f"http://127.0.0.1:{port}"
                             wrk(url, bodies[size], conc, 1, workdir)  # warm-up
                             spy = None
-                            if args.profile and setup == "epp" and conc > 1:
+                            if args.profile and setup in ("epp", "floor") and conc > 1:
                                 pid = servers[setup].popen.pid
-                                out = Path(args.profile) / f"{mode}-{size}.txt"
+                                out = Path(args.profile) / f"{setup}-{mode}-{size}.txt"
                                 spy = profiler(pid, out, args.duration)
                             server = servers.get(setup)
                             cpu = cpu_seconds(server.popen.pid) if server else 0.0
@@ -437,15 +465,7 @@ def streaming(args: argparse.Namespace, bench: Bench, workdir: Path) -> list[Str
             argv = epp_argv(sys.executable, config_path, grpc_port, health, metrics)
             server = bench.spawn(f"epp-stream-{variant}-{mode}", argv)
             bench.wait("epp", lambda m=metrics: http_ok(f"http://127.0.0.1:{m}/metrics"))
-            listen, admin = free_port(), free_port()
-            rendered = render(
-                config,
-                mode=cast(Mode, mode),
-                listen=f"127.0.0.1:{listen}",
-                admin=f"127.0.0.1:{admin}",
-                extproc=[f"127.0.0.1:{grpc_port}"],
-                health=[f"127.0.0.1:{health}"],
-            )
+            rendered, listen, admin = front_config(config, mode, grpc_port, health)
             if variant == "off":
                 rendered = response_off(rendered)
             bench.envoy(f"front-stream-{variant}-{mode}", rendered, admin)
@@ -599,6 +619,16 @@ def stream_report(streams: list[StreamResult], args: argparse.Namespace) -> list
     return lines
 
 
+def verdict(setup: Result, noop: Result) -> str:
+    """Issue 18's target for a point, met or missed by ``setup`` against the no-op."""
+    if setup.concurrency == 1:
+        goal = P50_TARGET_MS[setup.size]
+        met = setup.p50_ms - noop.p50_ms <= goal
+        return f"Δ p50 ≤ {goal} ms: " + ("met" if met else "missed")
+    met = setup.rps >= RPS_TARGET * noop.rps
+    return f"share ≥ {RPS_TARGET:.0%}: " + ("met" if met else "missed")
+
+
 def report(
     results: list[Result],
     streams: list[StreamResult],
@@ -614,6 +644,9 @@ def report(
 
     before = bool(args.before)
     command = f"python -m benchmarks.overhead --duration {args.duration} --rounds {args.rounds}"
+    command += " --quick" if args.quick else ""
+    command += "".join(f" --size {size}" for size in args.size or [])
+    command += f" --part {args.part}" if args.part != "all" else ""
     command += f" --before {args.before}" if args.before else ""
     command += f" --profile {args.profile}" if args.profile else ""
     lines = [
@@ -627,19 +660,23 @@ def report(
         "Per body mode every set-up runs at once behind its own front Envoy, against the same "
         "backend (an Envoy answering like a vLLM replica with no work), with the response path "
         "as `epp envoy-config` renders it (response headers and body sent to the processor; the "
-        "no-op answers them unread). Each point runs the set-ups back to back, alternating, "
-        f"{args.rounds} round(s) of {args.duration} s; the median is shown. Latency in ms from "
-        "wrk; `Δ p50` is epp minus the no-op ext_proc; `share` is epp's requests/s over the "
-        "no-op's; `cpu µs/req` is the ext_proc server's CPU time (user + system) per request, "
-        "the figure least disturbed by the machine's other load."
+        "no-op and the floor answer them unread). `floor` is the least work any picker must do "
+        "(`benchmarks/floor_extproc.py`: read the headers, parse the JSON body once, pick the "
+        "next replica in turn, answer like epp). Each point runs the set-ups back to back, "
+        f"alternating, {args.rounds} round(s) of {args.duration} s; the median is shown. "
+        "Latency in ms from wrk; `Δ p50` is epp (`floor Δ p50`: the floor) minus the no-op "
+        "ext_proc; `share` is epp's requests/s over the no-op's (`floor share`: the floor's); "
+        "`cpu µs/req` is the ext_proc server's CPU time (user + system) per request, the figure "
+        "least disturbed by the machine's other load."
         + (" `before` is the same run of the base commit's epp (`--before`)." if before else ""),
         "",
     ]
-    head = "| mode | prompt | conc | envoy p50 | noop p50 |"
+    head = "| mode | prompt | conc | envoy p50 | noop p50 | floor p50 | floor Δ p50 |"
     head += " before p50 |" if before else ""
     head += " epp p50 | Δ p50 | noop p99 | epp p99 | envoy req/s | noop req/s |"
+    head += " floor req/s | floor share |"
     head += " before req/s | before share |" if before else ""
-    head += " epp req/s | share | target | noop cpu µs/req |"
+    head += " epp req/s | share | floor target | target | noop cpu µs/req | floor cpu µs/req |"
     head += " before cpu µs/req |" if before else ""
     head += " epp cpu µs/req | errors |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -647,25 +684,20 @@ def report(
     for mode in modes:
         for size in SIZES:
             for conc in (1, 32):
-                e, n, p = (find(s, mode, size, conc) for s in ("envoy", "noop", "epp"))
+                e, n, f, p = (find(s, mode, size, conc) for s in ("envoy", "noop", "floor", "epp"))
                 b = find("before", mode, size, conc)
-                if not (e and n and p) or (before and b is None):
+                if not (e and n and f and p) or (before and b is None):
                     continue
-                delta = p.p50_ms - n.p50_ms
-                if conc == 1:
-                    goal = P50_TARGET_MS[size]
-                    verdict = f"Δ p50 ≤ {goal} ms: " + ("met" if delta <= goal else "missed")
-                else:
-                    verdict = f"share ≥ {RPS_TARGET:.0%}: " + (
-                        "met" if p.rps >= RPS_TARGET * n.rps else "missed"
-                    )
                 row = f"| {mode} | {size} | {conc} | {e.p50_ms:.2f} | {n.p50_ms:.2f} |"
+                row += f" {f.p50_ms:.2f} | {f.p50_ms - n.p50_ms:+.2f} |"
                 row += f" {b.p50_ms:.2f} |" if b else ""
-                row += f" {p.p50_ms:.2f} | {delta:+.2f} | {n.p99_ms:.2f} | {p.p99_ms:.2f} |"
-                row += f" {e.rps:.0f} | {n.rps:.0f} |"
+                row += f" {p.p50_ms:.2f} | {p.p50_ms - n.p50_ms:+.2f} | {n.p99_ms:.2f} |"
+                row += f" {p.p99_ms:.2f} | {e.rps:.0f} | {n.rps:.0f} |"
+                row += f" {f.rps:.0f} | {f.rps / n.rps:.0%} |"
                 row += f" {b.rps:.0f} | {b.rps / n.rps:.0%} |" if b else ""
-                errors = e.errors + n.errors + p.errors + (b.errors if b else 0)
-                row += f" {p.rps:.0f} | {p.rps / n.rps:.0%} | {verdict} | {n.cpu_us:.0f} |"
+                errors = e.errors + n.errors + f.errors + p.errors + (b.errors if b else 0)
+                row += f" {p.rps:.0f} | {p.rps / n.rps:.0%} | {verdict(f, n)} | {verdict(p, n)} |"
+                row += f" {n.cpu_us:.0f} | {f.cpu_us:.0f} |"
                 row += f" {b.cpu_us:.0f} |" if b else ""
                 row += f" {p.cpu_us:.0f} | {errors} |"
                 lines.append(row)
