@@ -51,6 +51,9 @@ HALF_LIFE_S = 30.0
 PRIOR_STRENGTH = 2.0
 # Residuals beyond HUBER_K mean absolute residuals are down-weighted.
 HUBER_K = 3.0
+# A sample below the evidence's mean over this factor weighs as one at mean / this factor
+# (relative_weight): bounds any one sample's weight at this factor squared.
+RELATIVE_FLOOR = 10.0
 # Observations before residuals are judged (the scale needs a few).
 ROBUST_AFTER = 8.0
 # Prior: a capacity-1 endpoint prefills 10k tokens/s, a request costs 20 ms on its own, a
@@ -203,6 +206,24 @@ def _solve(stats: Stats, prior: Sequence[float], free: Sequence[int]) -> list[fl
     return out
 
 
+def relative_weight(stats: Stats, y: float) -> float:
+    """An observation's weight before robustness: ``(m / y)**2``, ``m`` the evidence's
+    weighted mean (``X'y`` over ``X'X`` of the constant feature), ``y`` at least ``m /
+    RELATIVE_FLOOR``.
+
+    Least squares on absolute errors let the largest samples set the fit: on a real CPU
+    engine, whose prefill time grows faster than linearly, the intercept fell to ~0 and
+    short prompts were predicted at half their TTFT (tests/contract/test_latency_model_contract.py,
+    21% median error). Weighting by ``1/y**2`` fits relative errors, the measure the model is
+    judged by; scaling by ``m**2`` keeps the weights near 1 at any latency scale, so the prior
+    keeps its strength and an endpoint whose TTFTs are seconds learns as fast as one at
+    milliseconds."""
+    if stats.xx[0] <= 0.0 or stats.xy[0] <= 0.0 or y <= 0.0:
+        return 1.0
+    mean = stats.xy[0] / stats.xx[0]
+    return (mean / max(y, mean / RELATIVE_FLOOR)) ** 2
+
+
 def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
     return sum(c * v for c, v in zip(coef, x, strict=True))
 
@@ -233,7 +254,7 @@ class _Model:
         coef = self.coefficients(now)
         residual = y - _dot(coef, x)
         stats = self.combined(now)
-        weight = 1.0
+        weight = relative_weight(stats, y)
         if stats.weight >= ROBUST_AFTER and stats.abs_residual > 0.0:
             limit = HUBER_K * stats.abs_residual
             if abs(residual) > limit:
