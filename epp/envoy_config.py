@@ -431,6 +431,7 @@ def _overflow_cluster(name: str, pool: OverflowPool) -> dict[str, Any]:
     return {
         "name": overflow_cluster(name),
         "type": "STATIC" if static else "STRICT_DNS",
+        **({} if static else _system_resolver()),
         "connect_timeout": "1s",
         "typed_extension_protocol_options": _http_options(http_protocol_options={}),
         "circuit_breakers": _circuit_breakers(),
@@ -738,14 +739,35 @@ def _dns_options(pools: Sequence[DnsSpec]) -> dict[str, Any]:
         "dns_lookup_family": "ALL",
     }
     resolver = resolvers.pop()
-    if resolver is not None:
-        options["typed_dns_resolver_config"] = _typed(
-            "envoy.network.dns_resolver.cares",
-            "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
-            resolvers=[{"socket_address": {"address": resolver[0], "port_value": resolver[1]}}],
-            dns_resolver_options={"no_default_search_domain": True},
-        )
+    if resolver is None:
+        return {**options, **_system_resolver()}
+    options["typed_dns_resolver_config"] = _typed(
+        "envoy.network.dns_resolver.cares",
+        "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
+        resolvers=[{"socket_address": {"address": resolver[0], "port_value": resolver[1]}}],
+        dns_resolver_options={"no_default_search_domain": True},
+    )
     return options
+
+
+# Every cluster Envoy resolves by name through the system's resolver uses getaddrinfo, not
+# Envoy's default c-ares. c-ares reports "no such name" as a successful answer with no
+# addresses, and a STRICT_DNS cluster then drops every host; getaddrinfo reports it as a failed
+# lookup, and the cluster keeps its hosts until a lookup answers again. Container runtimes make
+# that difference matter: their resolv.conf lists the embedded DNS server and the host's, and
+# while the embedded one reloads (as it does when a container joins the network) a lookup falls
+# through to the host's server, which has never heard of the service. The compose stack's Envoy
+# lost its whole pool that way during `up --scale` (a 503 UH), measured in CI. One retry of a
+# temporary failure (EAI_AGAIN) per refresh: the next refresh comes soon anyway.
+# (A function, not a shared dict: the YAML dumper would write anchors for a shared object.)
+def _system_resolver() -> dict[str, Any]:
+    return {
+        "typed_dns_resolver_config": _typed(
+            "envoy.network.dns_resolver.getaddrinfo",
+            "envoy.extensions.network.dns_resolver.getaddrinfo.v3.GetAddrInfoDnsResolverConfig",
+            num_retries=1,
+        )
+    }
 
 
 def _health_addresses(
@@ -786,11 +808,13 @@ def _epp_cluster(
         if hc_host != parse_address(addr)[0]:
             hc["address"] = {"socket_address": {"address": hc_host, "port_value": hc_port}}
         endpoints.append({"endpoint": {"address": _socket(addr), "health_check_config": hc}})
+    static = all(_is_ip(parse_address(a)[0]) for a in extproc)
     cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
         # Names (compose services, Kubernetes Services) are resolved by Envoy and re-resolved
         # when they change; a STATIC cluster accepts only IP addresses.
-        "type": "STATIC" if all(_is_ip(parse_address(a)[0]) for a in extproc) else "STRICT_DNS",
+        "type": "STATIC" if static else "STRICT_DNS",
+        **({} if static else _system_resolver()),
         "connect_timeout": "0.25s",
         # gRPC needs HTTP/2. No connection_keepalive: gRPC servers (grpc-python included)
         # accept a ping without data at most every 5 min by default and answer faster pings

@@ -6,9 +6,13 @@ headless Service is found. Without an explicit resolver the system's ``getaddrin
 would resolve the name; with ``resolver: ip:port`` dnspython asks that server directly, which
 is what tests use to change the answers under a running epp.
 
-A name that does not exist (NXDOMAIN / no records) means no replicas: a service scaled to zero
-disappears from DNS. Any other failure (timeout, SERVFAIL) keeps the last set published, so a
-resolver hiccup never empties a healthy pool; the replicas' own scrapes decide their readiness.
+A name that does not exist (NXDOMAIN / no records) means no replicas, a service scaled to zero,
+once the next lookup agrees: a single such answer between answers with addresses is a resolver
+hiccup, the typical one a container runtime's: its resolv.conf names the embedded DNS server and
+the host's, and while the embedded one reloads (a container joining the network) a lookup falls
+through to the host's server, which does not know the service. Any other failure (timeout,
+SERVFAIL) keeps the last set published, so a resolver hiccup never empties a healthy pool; the
+replicas' own scrapes decide their readiness.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class DnsSource:
         loop = asyncio.get_running_loop()
         last: frozenset[str] | None = None
         failing = False
+        # An answer without addresses is believed when it repeats (module docstring).
+        unconfirmed_empty = False
         next_at = loop.time()
         while True:
             try:
@@ -62,15 +68,25 @@ class DnsSource:
             else:
                 failing = False
                 current = frozenset(format_endpoint(ip, self._spec.port) for ip in ips)
-                if current != last:
+                if not current and last and not unconfirmed_empty:
+                    unconfirmed_empty = True
                     log.info(
-                        "DNS %s: %d endpoints (%s)",
+                        "DNS %s: no addresses; keeping its %d endpoints unless the next lookup "
+                        "agrees",
                         self._spec.name,
-                        len(current),
-                        ", ".join(sorted(current)) or "none",
+                        len(last),
                     )
-                    publish(current)
-                    last = current
+                else:
+                    unconfirmed_empty = False
+                    if current != last:
+                        log.info(
+                            "DNS %s: %d endpoints (%s)",
+                            self._spec.name,
+                            len(current),
+                            ", ".join(sorted(current)) or "none",
+                        )
+                        publish(current)
+                        last = current
             # Fixed ticks, not sleeps after each lookup: a change is seen within one interval.
             next_at = max(next_at + self._spec.interval, loop.time())
             await asyncio.sleep(next_at - loop.time())

@@ -3,9 +3,11 @@
 ``with DnsServer() as dns: dns.set("sim.test", ["127.0.0.2", "::1"])`` then point a resolver
 (epp's ``resolver: 127.0.0.1:<dns.port>``, Envoy's c-ares) at it. It answers A and AAAA
 queries over UDP from the current table with TTL 0, NOERROR with no records for a known name
-without that record type, and NXDOMAIN for unknown names. It runs in its own thread, so it
-serves epp and Envoy subprocesses as well as code on the test's event loop. ``queries``
-counts the questions seen per name.
+without that record type, and NXDOMAIN for unknown names. ``blank(name, questions)`` answers
+NXDOMAIN to the next ``questions`` questions about a name that has addresses (a resolver that
+forgets a name for a moment). It runs in its own thread, so it serves epp and Envoy
+subprocesses as well as code on the test's event loop. ``queries`` counts the questions seen per
+name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dns.rrset
 class DnsServer:
     def __init__(self) -> None:
         self._records: dict[str, list[str]] = {}
+        self._blanks: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.queries: collections.Counter[str] = collections.Counter()
         owner = self
@@ -49,6 +52,11 @@ class DnsServer:
         with self._lock:
             self._records[_key(name)] = list(ips)
 
+    def blank(self, name: str, questions: int) -> None:
+        """Answer NXDOMAIN to the next ``questions`` questions about ``name``."""
+        with self._lock:
+            self._blanks[_key(name)] = questions
+
     def _answer(self, data: bytes) -> bytes:
         query = dns.message.from_wire(data)
         response = dns.message.make_response(query)
@@ -57,6 +65,9 @@ class DnsServer:
         self.queries[name] += 1
         with self._lock:
             ips = list(self._records.get(name, []))
+            if self._blanks[name] > 0:
+                self._blanks[name] -= 1
+                ips = []
         if not ips:
             response.set_rcode(dns.rcode.NXDOMAIN)
             return response.to_wire()

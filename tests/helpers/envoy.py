@@ -38,6 +38,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -96,10 +97,13 @@ class EnvoyProcess:
         log_level: str = "warning",
         component_log_level: str | None = None,
         timeout: float = 15.0,
+        wrapper: Sequence[str] = (),
     ) -> EnvoyProcess:
         """Start Envoy on ``config_yaml`` and wait for its admin ``/ready``.
 
         ``component_log_level`` is passed through (e.g. ``"ext_proc:debug,upstream:trace"``).
+        ``wrapper``: a command line that ends by exec'ing its arguments (Envoy's command), e.g.
+        one that gives Envoy its own mount namespace.
         """
         binary = envoy_binary()
         if binary is None:
@@ -110,6 +114,7 @@ class EnvoyProcess:
         config_path.write_text(config_yaml)
         log_path = workdir / "envoy.log"
         argv = [
+            *wrapper,
             binary,
             "-c",
             str(config_path),

@@ -62,12 +62,47 @@ async def test_follows_added_and_removed_addresses_within_one_interval(
             # One interval plus the lookup's own latency.
             took = await seen.wait_for(expected, within=INTERVAL + 0.1)
             assert took <= INTERVAL + 0.1
-        dns_server.set("sim.test", [])  # scaled to zero: the name disappears (NXDOMAIN)
-        await seen.wait_for(set(), within=INTERVAL + 0.1)
+        # Scaled to zero: the name disappears (NXDOMAIN), believed at the second lookup.
+        dns_server.set("sim.test", [])
+        await seen.wait_for(set(), within=2 * INTERVAL + 0.1)
     finally:
         task.cancel()
     # Only changes are published, never the same set twice in a row.
     assert all(a != b for a, b in zip(seen.sets, seen.sets[1:], strict=False))
+
+
+async def questions_reach(server: DnsServer, count: int) -> None:
+    for _ in range(100):
+        if server.queries["sim.test"] >= count:
+            return
+        await asyncio.sleep(INTERVAL / 4)
+    raise AssertionError(f"{server.queries['sim.test']} questions about sim.test, not {count}")
+
+
+async def test_one_answer_without_addresses_keeps_the_pool(dns_server: DnsServer) -> None:
+    """A name that vanishes for one lookup (a container runtime's DNS falling through to the
+    host's resolver while it reloads) leaves the pool as it was; a second one in a row empties
+    it."""
+    dns_server.set("sim.test", ["127.0.0.2", "127.0.0.3"])
+    source = DnsSource(DnsSpec("sim.test", 8000, INTERVAL, ("127.0.0.1", dns_server.port)))
+    seen = Recorder()
+    task = asyncio.create_task(source.run(seen))
+    try:
+        both = {"127.0.0.2:8000", "127.0.0.3:8000"}
+        await seen.wait_for(both, within=1.0)
+        for blanked in (2, 4):  # one lookup (A and AAAA questions) without addresses, then two
+            asked = dns_server.queries["sim.test"]
+            dns_server.blank("sim.test", blanked)
+            # The blanked lookups have been answered, and the good lookup after them too (the
+            # questions of a second one were asked once its answers had been handled).
+            await questions_reach(dns_server, asked + blanked + 3)
+            if blanked == 2:
+                assert seen.sets == [frozenset(both)]
+        # The two blank lookups in a row emptied the pool; the good one after refilled it.
+        await seen.wait_for(both, within=1.0)
+        assert seen.sets == [frozenset(both), frozenset(), frozenset(both)]
+    finally:
+        task.cancel()
 
 
 async def test_unreachable_resolver_keeps_the_last_set(dns_server: DnsServer) -> None:
