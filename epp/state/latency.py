@@ -69,9 +69,11 @@ CAPACITY_RANGE = (0.05, 20.0)
 # Uncached prompt tokens of the reference request capacities compare.
 REFERENCE_TOKENS = 2000.0
 # A learned capacity within this factor of the median endpoint's (1.0) is noise, not a
-# different speed (speeds): on a fleet of equal replicas the learned capacities scatter by
-# ~10% (learned-latency-bench.md), and reading that scatter as speed would make the replica
-# that happened to look fastest the favourite for every cold prompt.
+# different speed (speeds): equal replicas learn capacities a few percent apart (0.97-1.04
+# from 5%-noisy samples in tests/unit/test_latency_model.py; replicas of one speed on the
+# heterogeneous benchmark fleet learn prefill rates within about 8% of each other), and
+# reading that scatter as speed would make the replica that happened to look fastest the
+# favourite for every cold prompt.
 SPEED_BAND = 1.25
 
 
