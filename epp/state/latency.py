@@ -68,6 +68,13 @@ REFIT_S = 0.05
 CAPACITY_RANGE = (0.05, 20.0)
 # Uncached prompt tokens of the reference request capacities compare.
 REFERENCE_TOKENS = 2000.0
+# A learned capacity within this factor of the median endpoint's (1.0) is noise, not a
+# different speed (speeds): equal replicas learn capacities a few percent apart (0.97-1.04
+# from 5%-noisy samples in tests/unit/test_latency_model.py; replicas of one speed on the
+# heterogeneous benchmark fleet learn prefill rates within about 8% of each other), and
+# reading that scatter as speed would make the replica that happened to look fastest the
+# favourite for every cold prompt.
+SPEED_BAND = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,10 @@ class Stats:
     # Decayed mean absolute residual (its weight is ``weight``).
     abs_residual: float = 0.0
     as_of: float = 0.0
+    # Decayed count and sum of the observed values, each counted once (outliers less): the
+    # scale relative_weight measures observations against.
+    count: float = 0.0
+    y_sum: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.xx:
@@ -107,14 +118,20 @@ class Stats:
     def decay_to(self, now: float) -> None:
         if now <= self.as_of:
             return
-        if self.weight:
+        if self.weight or self.count:
             factor = 0.5 ** ((now - self.as_of) / HALF_LIFE_S)
             self.xx = [v * factor for v in self.xx]
             self.xy = [v * factor for v in self.xy]
             self.weight *= factor
+            self.count *= factor
+            self.y_sum *= factor
         self.as_of = now
 
-    def add(self, x: Sequence[float], y: float, weight: float, residual: float) -> None:
+    def add(
+        self, x: Sequence[float], y: float, weight: float, residual: float, robust: float
+    ) -> None:
+        """One observation of weight ``weight``; ``robust`` (at most 1) is how much it counts
+        towards the scale (``count``, ``y_sum``)."""
         n = self.dims
         for i in range(n):
             wx = weight * x[i]
@@ -125,10 +142,19 @@ class Stats:
         total = self.weight + weight
         self.abs_residual += (abs(residual) - self.abs_residual) * weight / total
         self.weight = total
+        self.count += robust
+        self.y_sum += robust * y
 
     def copy(self) -> Stats:
         return Stats(
-            self.dims, list(self.xx), list(self.xy), self.weight, self.abs_residual, self.as_of
+            self.dims,
+            list(self.xx),
+            list(self.xy),
+            self.weight,
+            self.abs_residual,
+            self.as_of,
+            self.count,
+            self.y_sum,
         )
 
     def plus(self, other: Stats) -> Stats:
@@ -148,21 +174,26 @@ class Stats:
             weight,
             residual,
             now,
+            a.count + b.count,
+            a.y_sum + b.y_sum,
         )
 
     def encode(self) -> list[float]:
-        return [self.as_of, self.weight, self.abs_residual, *self.xx, *self.xy]
+        head = [self.as_of, self.weight, self.abs_residual, self.count, self.y_sum]
+        return [*head, *self.xx, *self.xy]
 
     @classmethod
     def decode(cls, dims: int, values: Sequence[float]) -> Stats:
-        if len(values) != 3 + dims * dims + dims:
-            raise ValueError(f"expected {3 + dims * dims + dims} numbers, got {len(values)}")
-        as_of, weight, residual = (float(v) for v in values[:3])
-        xx = [float(v) for v in values[3 : 3 + dims * dims]]
-        xy = [float(v) for v in values[3 + dims * dims :]]
-        if not all(math.isfinite(v) for v in (as_of, weight, residual, *xx, *xy)):
+        head = 5
+        if len(values) != head + dims * dims + dims:
+            raise ValueError(f"expected {head + dims * dims + dims} numbers, got {len(values)}")
+        as_of, weight, residual, count, y_sum = (float(v) for v in values[:head])
+        xx = [float(v) for v in values[head : head + dims * dims]]
+        xy = [float(v) for v in values[head + dims * dims :]]
+        numbers = (as_of, weight, residual, count, y_sum, *xx, *xy)
+        if not all(math.isfinite(v) for v in numbers):
             raise ValueError("non-finite statistics")
-        return cls(dims, xx, xy, weight, residual, as_of)
+        return cls(dims, xx, xy, weight, residual, as_of, count, y_sum)
 
 
 def fit(stats: Stats, prior: Sequence[float]) -> tuple[float, ...]:
@@ -207,8 +238,8 @@ def _solve(stats: Stats, prior: Sequence[float], free: Sequence[int]) -> list[fl
 
 
 def relative_weight(stats: Stats, y: float) -> float:
-    """An observation's weight before robustness: ``(m / y)**2``, ``m`` the evidence's
-    weighted mean (``X'y`` over ``X'X`` of the constant feature), ``y`` at least ``m /
+    """An observation's weight before robustness: ``(m / y)**2``, ``m`` the mean of the
+    observations so far, each counted once (``y_sum / count``), ``y`` at least ``m /
     RELATIVE_FLOOR``.
 
     Least squares on absolute errors let the largest samples set the fit: on a real CPU
@@ -217,10 +248,13 @@ def relative_weight(stats: Stats, y: float) -> float:
     21% median error). Weighting by ``1/y**2`` fits relative errors, the measure the model is
     judged by; scaling by ``m**2`` keeps the weights near 1 at any latency scale, so the prior
     keeps its strength and an endpoint whose TTFTs are seconds learns as fast as one at
-    milliseconds."""
-    if stats.xx[0] <= 0.0 or stats.xy[0] <= 0.0 or y <= 0.0:
+    milliseconds. ``m`` counts each observation once, not by its weight: the weighted mean
+    (``X'y`` over ``X'X`` of the constant) is pulled towards the smallest observations, which
+    weigh most, so after a 10 ms probe it stayed near 10 ms and every cold prefill that
+    followed weighed ~1e-4: the endpoint learned nothing from them for minutes."""
+    if stats.count <= 0.0 or stats.y_sum <= 0.0 or y <= 0.0:
         return 1.0
-    mean = stats.xy[0] / stats.xx[0]
+    mean = stats.y_sum / stats.count
     return (mean / max(y, mean / RELATIVE_FLOOR)) ** 2
 
 
@@ -255,12 +289,13 @@ class _Model:
         residual = y - _dot(coef, x)
         stats = self.combined(now)
         weight = relative_weight(stats, y)
+        robust = 1.0
         if stats.weight >= ROBUST_AFTER and stats.abs_residual > 0.0:
             limit = HUBER_K * stats.abs_residual
             if abs(residual) > limit:
-                weight = limit / abs(residual)
+                weight = robust = limit / abs(residual)
         self.local.decay_to(now)
-        self.local.add(x, y, weight, residual)
+        self.local.add(x, y, weight, residual, robust)
         self.dirty = True
 
 
@@ -308,6 +343,7 @@ class LatencyModel:
         self._weights: Mapping[str, float] = {}
         self._capacities: dict[str, float] = {}
         self._capacities_at = -math.inf
+        self._speeds: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
 
     def configure(self, weights: Mapping[str, float], endpoints: Iterable[str]) -> None:
         """Apply configured weights; forget endpoints that left."""
@@ -376,14 +412,17 @@ class LatencyModel:
     def capacities(self, now: float) -> Mapping[str, float]:
         """Each endpoint's speed relative to the median endpoint, from its learned time for a
         reference request (``REFERENCE_TOKENS`` uncached, nothing queued): 2.0 for one twice
-        as fast. Only endpoints with evidence; recomputed at most every ``REFIT_S``."""
+        as fast. Only endpoints with evidence: an observation within the last half-life
+        (one cold prefill moves the prefill rate most of the way from the prior, and the fleet's
+        first seconds are when cold prefills are placed); recomputed at most every
+        ``REFIT_S``."""
         if now - self._capacities_at < REFIT_S:
             return self._capacities
         reference = (1.0, REFERENCE_TOKENS / TOKENS_UNIT, 0.0, 0.0)
         times = {
             address: _dot(state.ttft.coefficients(now), reference)
             for address, state in self._endpoints.items()
-            if state.ttft.combined(now).weight >= 1.0
+            if state.ttft.combined(now).count >= 0.5
         }
         out: dict[str, float] = {}
         if len(times) >= 2:
@@ -394,6 +433,18 @@ class LatencyModel:
         self._capacities = out
         self._capacities_at = now
         return out
+
+    def speeds(self, now: float) -> Mapping[str, float]:
+        """The learned capacities that differ from the median endpoint's beyond noise
+        (outside ``1 / SPEED_BAND .. SPEED_BAND``): the compute speeds the TTFT estimate
+        divides prefill work by when no weight is configured. Equal replicas get none (all
+        count as 1.0), so their picks are what they were without a model."""
+        capacities = self.capacities(now)
+        last, speeds = self._speeds
+        if capacities is not last:
+            speeds = {a: c for a, c in capacities.items() if not 1 / SPEED_BAND < c < SPEED_BAND}
+            self._speeds = (capacities, speeds)
+        return speeds
 
     def describe(self, address: str, now: float) -> dict[str, Any] | None:
         """What ``/debug/endpoints`` shows: the fitted rates, the evidence, the error."""

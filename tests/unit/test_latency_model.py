@@ -131,3 +131,51 @@ def test_the_scorers_prediction_is_the_models() -> None:
     ttft, tpot = model.predict(800, load, endpoint, now)
     assert ttft == pytest.approx(model.predict_ttft(SLOW, ttft_features(800, load, endpoint), now))
     assert tpot == pytest.approx(model.predict_tpot(SLOW, 7, now))  # 6 decoding + this one
+
+
+def test_speeds_keep_only_differences_beyond_noise() -> None:
+    """Two generations (20k and 5k tokens/s) are speeds; eight equal replicas whose samples
+    scatter by 5% are not: on them the TTFT estimate must count every endpoint as 1."""
+    model = LatencyModel()
+    rng = random.Random(5)
+    now = feed(model, FAST, 20_000, 100, 0.0, rng)
+    now = feed(model, SLOW, 5_000, 100, now, rng)
+    speeds = model.speeds(now)
+    assert speeds[FAST] > 1.25
+    assert speeds[SLOW] < 0.8
+    assert speeds[FAST] / speeds[SLOW] == pytest.approx(4, rel=0.25)
+    equal = LatencyModel()
+    now = 0.0
+    for i in range(8):
+        now = feed(equal, f"10.0.1.{i}:8000", 10_000, 30, now, rng)
+    assert len(equal.capacities(now)) == 8
+    assert equal.speeds(now) == {}
+
+
+def test_a_tiny_first_response_does_not_stop_the_endpoint_learning_from_larger_ones() -> None:
+    """An endpoint whose first response was a 2-token probe (10 ms) then serves cold 2,300-token
+    prompts: its prefill rate comes from those within a few of them, as for an endpoint
+    without the probe. Scaled by the evidence's weighted mean, each cold sample weighed
+    (0.01 / y)**2 ~ 1e-4 and the endpoint kept the prior's 10k tokens/s for minutes."""
+    model = LatencyModel()
+    state = EndpointState(FAST, "p")
+    probe = ttft_features(2, Load(), state)
+    model.observe_ttft(FAST, Basis(probe, 0.0), 0.01, 0.0)
+    cold = ttft_features(2300, Load(), state)
+    for i in range(5):
+        model.observe_ttft(FAST, Basis(cold, 0.0), 0.02 + 2.3 / 4.0, 1.0 + i)
+    described = model.describe(FAST, 6.0)
+    assert described is not None
+    assert described["prefill_tokens_per_second"] == pytest.approx(4_000, rel=0.25)
+
+
+def test_one_cold_prefill_each_is_enough_to_tell_speeds_apart() -> None:
+    """The fleet's first seconds are when most prompts are cached nowhere: a replica's first
+    response already counts (the evidence it gives decays from 1 at once, so a bound of one
+    whole observation would wait for the second)."""
+    model = LatencyModel()
+    for address, seconds in ((FAST, 0.45), (SLOW, 0.9)):
+        features = ttft_features(2300, Load(), EndpointState(address, "p"))
+        model.observe_ttft(address, Basis(features, 0.0), seconds, 1.0)
+    speeds = model.speeds(1.5)
+    assert speeds[FAST] > 1.25 > 0.8 > speeds[SLOW]

@@ -207,6 +207,18 @@ async def capacity_router(learned: bool, slow_weight: float | None = None) -> Ro
     return router
 
 
+async def test_default_profile_sends_cold_prompts_to_the_faster_replica_without_weights() -> None:
+    """routing.learned_capacity off (the default), no weights: the TTFT estimate still divides
+    prefill by the learned speeds, so prompts cached nowhere go to FAST, one at a time (each
+    finished before the next: equal loads; eight, which a coin would all send to FAST once in
+    256)."""
+    router = await capacity_router(learned=False)
+    for i in range(8):
+        decision, ticket = router.route(req(f"{i} " + "x" * 4000, model="tiny"))
+        assert decision.endpoints[0].address == FAST
+        router.finish(ticket)
+
+
 async def test_learned_capacities_reach_the_default_profile_and_weights_override_them() -> None:
     """With routing.learned_capacity the default profile's load and TTFT scorers divide by the
     learned capacity (FAST ~10x SLOW here): cold requests go to FAST. A configured weight

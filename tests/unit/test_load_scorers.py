@@ -23,6 +23,8 @@ from epp.scheduling.scorers.load import InflightLoadParams, InflightLoadScorer
 from epp.scheduling.scorers.ttft import TtftParams, TtftScorer
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
+from epp.state.inflight import Load
+from epp.state.latency import Basis, ttft_features
 from epp.state.memory import MemoryStore
 
 
@@ -149,6 +151,54 @@ def test_capacity_drains_the_prefill_queue_faster() -> None:
     cycle = Cycle(Snapshot(), fleet, weights={"fast": 2.0}, now=1.0)
     assert scorer.backlog("fast", cycle) == pytest.approx(2000)
     assert scorer.backlog("slow", cycle) == pytest.approx(3000)
+
+
+def learn(fleet: FleetState, rates: dict[str, float], now: float) -> None:
+    """Teach the fleet's latency model each endpoint's prefill rate (tokens/s) from cold
+    requests of 500-3,000 tokens, as the response path would."""
+    for address, rate in rates.items():
+        for i in range(30):
+            uncached = 500.0 + 100 * i
+            features = ttft_features(uncached, Load(), ep(address))
+            at = now - 3 + i / 10
+            fleet.latency.observe_ttft(address, Basis(features, 0.0), 0.02 + uncached / rate, at)
+
+
+def test_ttft_sends_a_cold_prompt_to_the_replica_that_learned_to_prefill_faster() -> None:
+    """Equal loads, nothing cached: the token count ties; the learned speeds do not."""
+    fleet = FleetState()
+    learn(fleet, {"fast": 10_000, "slow": 5_000}, 100.0)
+    cycle = Cycle(Snapshot(), fleet, now=100.0)
+    fast, slow = TtftScorer().score(req(8000), [ep("fast"), ep("slow")], cycle)
+    assert fast == 1.0
+    assert slow == pytest.approx(0.5, abs=0.1)
+    # Off, every unweighted endpoint counts as 1 (the profile before learned speeds).
+    off = TtftScorer(TtftParams(learned_speed=False))
+    assert off.score(req(8000), [ep("fast"), ep("slow")], cycle) == [1.0, 1.0]
+    # A configured weight overrides what was learned.
+    weighted = Cycle(Snapshot(), fleet, weights={"slow": 4.0}, now=100.0)
+    assert TtftScorer().score(req(8000), [ep("fast"), ep("slow")], weighted)[1] == 1.0
+    # Learned speed drains the prefill queue too: 4,000 tokens at 10k x ~1.3 in 0.1 s.
+    scorer = TtftScorer()
+    for address in ("fast", "slow"):
+        scorer.on_pick(req(4000 * 4 - 4), ep(address), Cycle(Snapshot(), fleet, now=100.0))
+    later = Cycle(Snapshot(), fleet, now=100.1)
+    assert scorer.backlog("fast", later) < scorer.backlog("slow", later) - 500
+
+
+def test_ttft_picks_on_equal_replicas_do_not_change_with_what_was_learned() -> None:
+    """Replicas that learned the same rate (within noise) score as if nothing was learned."""
+    fleet = FleetState()
+    learn(fleet, {"a": 10_000, "b": 9_500, "c": 10_500}, 100.0)
+    scorer = TtftScorer()
+    eps = [ep("a"), ep("b"), ep("c")]
+    scorer.on_pick(req(2000), ep("b"), Cycle(Snapshot(), fleet, now=100.0))
+    cycle = Cycle(Snapshot(), fleet, now=100.01)
+    plain = Cycle(Snapshot(), FleetState(), now=100.01)
+    scorer.on_pick(req(2000), ep("b"), Cycle(Snapshot(), plain.fleet, now=100.0))
+    scores = scorer.score(req(8000), eps, cycle)
+    assert scores == scorer.score(req(8000), eps, plain)
+    assert scores[0] == scores[2] == 1.0 > scores[1]  # the prefill sent to b still counts
 
 
 def test_precise_cached_tokens_win_over_approximate() -> None:

@@ -29,13 +29,21 @@ cache affinity is the point: a chat whose 3,000-token history is cached stays ho
 overflow there costs less than recomputing the history elsewhere, and a short request leaves a
 replica a hot prefix has filled (a fraction-of-cache penalty cannot tell the two apart).
 
+Prefill work is divided by the endpoint's compute speed: its configured capacity weight, else
+the speed the latency model learned from its responses when that differs from the fleet's
+median beyond noise (:meth:`~epp.state.latency.LatencyModel.speeds`). On a fleet mixing GPU
+generations a prompt cached nowhere then goes to an idle fast replica rather than an idle slow
+one, which the token count alone cannot tell apart; on equal replicas nothing changes. Only this
+estimate, compute, is scaled: load and cache scorers keep counting tokens, because a fast
+replica's KV cache is no larger than a slow one's (docs/learned-latency.md).
+
 Score: ``(best + slack) / (estimate + slack)``, so the fastest endpoint scores 1 and one twice
 as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from dominating.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.request import InferenceRequest
@@ -57,13 +65,16 @@ class TtftParams(Params):
     factor is roughly that time times the prefill rate over the cache's size: about 1 for a
     cache a few seconds of decoding fills. ``queue_weight``: how much queued work counts
     against an endpoint relative to this request's own prefill. ``tokens_per_request``: the
-    size of a scraped waiting request; ``slack_tokens``: the score's slack."""
+    size of a scraped waiting request; ``slack_tokens``: the score's slack.
+    ``learned_speed``: divide by the learned speed where no weight is configured (false: every
+    unweighted endpoint counts as capacity 1, as before the latency model)."""
 
     tokens_per_request: int = param(512, ge=1)
     slack_tokens: int = param(64, ge=1)
     queue_weight: float = param(1.0, ge=0)
     prefill_tokens_per_second: float = param(10_000.0, gt=0)
     kv_wait_factor: float = param(1.0, ge=0)
+    learned_speed: bool = param(True)
 
 
 @register("ttft-scorer")
@@ -77,6 +88,7 @@ class TtftScorer(Scorer, PostPick):
         self.queue_weight = params.queue_weight
         self.prefill_rate = params.prefill_tokens_per_second
         self.kv_wait_factor = params.kv_wait_factor
+        self.learned_speed = params.learned_speed
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
@@ -84,13 +96,14 @@ class TtftScorer(Scorer, PostPick):
         prompt = request.prompt_tokens()
         output = request.output_tokens()
         cached = cycle.get(CACHED_TOKENS) or {}
+        learned = self.learned_speeds(cycle)
         estimates = []
         for c in candidates:
             uncached = max(0, prompt - cached.get(c.address, 0))
+            capacity = speed(c.address, cycle, learned)
             queued = max(
                 self.backlog(c.address, cycle), c.metrics.waiting * self.tokens_per_request
             )
-            capacity = cycle.weights.get(c.address, 1.0)
             estimate = self.queue_weight * queued + uncached
             if self.kv_wait_factor:
                 room = kv_held(c, cycle)
@@ -108,10 +121,23 @@ class TtftScorer(Scorer, PostPick):
         cycle.fleet.prefill.set(address, self.backlog(address, cycle) + uncached, cycle.now)
 
     def backlog(self, address: str, cycle: Cycle) -> float:
-        """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained)."""
+        """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained): they
+        drain at ``prefill_tokens_per_second`` times the endpoint's speed."""
         entry = cycle.fleet.prefill.get(address)
         if entry is None:
             return 0.0
         tokens, as_of = entry
-        drained = self.prefill_rate * cycle.weights.get(address, 1.0) * (cycle.now - as_of)
+        capacity = speed(address, cycle, self.learned_speeds(cycle))
+        drained = self.prefill_rate * capacity * (cycle.now - as_of)
         return max(0.0, tokens - drained)
+
+    def learned_speeds(self, cycle: Cycle) -> Mapping[str, float]:
+        return cycle.fleet.latency.speeds(cycle.now) if self.learned_speed else {}
+
+
+def speed(address: str, cycle: Cycle, learned: Mapping[str, float]) -> float:
+    """``address``'s compute speed relative to a capacity-1 replica: its configured weight
+    (an override), else its learned speed (``learned``: only the endpoints that differ from
+    the median beyond noise), else 1."""
+    configured = cycle.weights.get(address)
+    return configured if configured is not None else learned.get(address, 1.0)
