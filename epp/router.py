@@ -230,7 +230,7 @@ class Router:
     def spill(self, request: InferenceRequest, overflow: str) -> Ticket:
         """Count ``request`` in flight to ``overflow`` (released by :meth:`finish`)."""
         SPILLED.labels(request.model, overflow).inc()
-        REQUESTS.labels(request.model, "spilled").inc()
+        REQUESTS.add((request.model, "spilled"))
         return self.fleet.inflight.add(inflight_key(overflow), request.expected_tokens())
 
     async def prepare(self, request: InferenceRequest) -> None:
@@ -301,11 +301,11 @@ class Router:
             laps,
             defer,
         )
-        DECISION_SECONDS.observe(time.perf_counter() - started)
+        DECISION_SECONDS.add((), time.perf_counter() - started)
         if not decision.endpoints and decision.refusal is not None:
             if target is not None:
                 for kind in _kinds(target):
-                    LATENCY_TARGETS.labels(request.objective, kind, "refused").inc()
+                    LATENCY_TARGETS.add((request.objective, kind, "refused"))
             raise decision.refusal
         if not decision.endpoints:
             ready = sum(1 for c in candidates if c.ready)
@@ -323,8 +323,8 @@ class Router:
         predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
         basis = Basis(features, predicted, target, request.objective)
         ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
-        child(PICKS, first.pool, first.address).inc()
-        child(REQUESTS, request.model, "routed").inc()
+        PICKS.add((first.pool, first.address))
+        REQUESTS.add((request.model, "routed"))
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
@@ -351,8 +351,8 @@ class Router:
             range(len(ready)), key=lambda i: (load(ready[i]).requests, (i - turn) % len(ready))
         )
         address = ready[best]
-        child(PICKS, pool, address).inc()
-        child(REQUESTS, "", "passthrough").inc()
+        PICKS.add((pool, address))
+        REQUESTS.add(("", "passthrough"))
         return self.fleet.inflight.add(address, 0)
 
     def _target(self, request: InferenceRequest, config: Config) -> LatencyTarget | None:
@@ -400,7 +400,7 @@ class Router:
             target = basis.target
             if target is not None and target.ttft is not None:
                 met = "met" if seconds <= target.ttft else "missed"
-                LATENCY_TARGETS.labels(basis.objective, "ttft", met).inc()
+                LATENCY_TARGETS.add((basis.objective, "ttft", met))
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:
         """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
@@ -410,7 +410,7 @@ class Router:
         target = basis.target
         if target is not None and target.tpot is not None:
             met = "met" if tpot <= target.tpot else "missed"
-            LATENCY_TARGETS.labels(basis.objective, "tpot", met).inc()
+            LATENCY_TARGETS.add((basis.objective, "tpot", met))
         if not pick.decoding:
             return
         endpoint = pick.ticket.endpoint
