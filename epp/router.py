@@ -91,6 +91,11 @@ class Router:
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once.
         self._profile = build_profile(config.scheduling.selected)
+        self._needs_preparation = (
+            bool(self._profile.prepare)
+            or config.flow_control.mode == "queue"
+            or config.budgets.enabled
+        )
         self._default_target = next(
             (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
             LatencyTarget(),
@@ -125,12 +130,8 @@ class Router:
 
     def needs_preparation(self) -> bool:
         """Whether requests must pass through :meth:`prepare` and :meth:`admit` (awaited)
-        before :meth:`route`."""
-        return (
-            bool(self._profile.prepare)
-            or self._config.flow_control.mode == "queue"
-            or self._config.budgets.enabled
-        )
+        before :meth:`route` (settled once per configuration: asked once a request)."""
+        return self._needs_preparation
 
     async def admit(self, request: InferenceRequest) -> Charge | None:
         """Charge the request to its tenant's budget (429 when it is spent), then, with flow

@@ -55,7 +55,7 @@ from epp.request import (
 )
 from epp.router import Router
 from epp.state.inflight import Ticket
-from epp.state.moves import PickRecord, move_pick, recording
+from epp.state.moves import PickRecord, Recording, move_pick
 from epp.tracing import RequestTrace
 from epp.wire import (
     CONTROL_HEADERS,
@@ -295,7 +295,7 @@ class StreamHandler:
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
-        with recording(self._router.fleet.prefix) as learned:
+        with Recording(self._router.fleet.prefix) as learned:
             for task in work:
                 try:
                     task()
