@@ -20,6 +20,7 @@ A module of its own, importing nothing of epp, so that anything may use it witho
 
 from __future__ import annotations
 
+import abc
 import bisect
 from collections.abc import Iterable
 from typing import Any
@@ -37,7 +38,23 @@ def _series(metric: MetricWrapperBase, labels: tuple[str, ...]) -> Any:
     return metric.labels(*labels) if labels else metric
 
 
-class TalliedCounter(Counter):
+class _Folding(MetricWrapperBase):
+    """Folds what is pending (:meth:`fold`) before the metric is collected or a series removed:
+    increments made before a removal go with the series, as they would have."""
+
+    @abc.abstractmethod
+    def fold(self) -> None: ...
+
+    def collect(self) -> Iterable[Metric]:
+        self.fold()
+        return super().collect()
+
+    def remove(self, *labelvalues: Any) -> None:
+        self.fold()
+        super().remove(*labelvalues)
+
+
+class TalliedCounter(_Folding, Counter):
     """A Counter whose :meth:`add` only tallies; see the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -63,17 +80,8 @@ class TalliedCounter(Counter):
             series.inc(amount)
         pending.clear()
 
-    def collect(self) -> Iterable[Metric]:
-        self.fold()
-        return super().collect()
 
-    def remove(self, *labelvalues: Any) -> None:
-        # Increments before the removal go with the series, as they would have.
-        self.fold()
-        super().remove(*labelvalues)
-
-
-class TalliedHistogram(Histogram):
+class TalliedHistogram(_Folding, Histogram):
     """A Histogram whose :meth:`add` only records the value; see the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -113,12 +121,3 @@ class TalliedHistogram(Histogram):
                     holder.inc(upto - below)
                 below = upto
         pending.clear()
-
-    def collect(self) -> Iterable[Metric]:
-        self.fold()
-        return super().collect()
-
-    def remove(self, *labelvalues: Any) -> None:
-        # Observations before the removal go with the series, as they would have.
-        self.fold()
-        super().remove(*labelvalues)
