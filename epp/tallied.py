@@ -39,8 +39,9 @@ def _series(metric: MetricWrapperBase, labels: tuple[str, ...]) -> Any:
 
 
 class _Folding(MetricWrapperBase):
-    """Folds what is pending (:meth:`fold`) before the metric is collected or a series removed:
-    increments made before a removal go with the series, as they would have."""
+    """Folds what is pending (:meth:`fold`) before the metric is collected or its series
+    removed: increments made before a removal go with the series, as they would have, and
+    none is left waiting for a series that is gone."""
 
     @abc.abstractmethod
     def fold(self) -> None: ...
@@ -52,6 +53,10 @@ class _Folding(MetricWrapperBase):
     def remove(self, *labelvalues: Any) -> None:
         self.fold()
         super().remove(*labelvalues)
+
+    def clear(self) -> None:
+        self.fold()
+        super().clear()
 
 
 class TalliedCounter(_Folding, Counter):

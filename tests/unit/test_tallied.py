@@ -78,25 +78,32 @@ def test_counter_series_exists_from_its_first_tally() -> None:
     assert registry.get_sample_value("c_total", {"a": "x"}) == 0.0
 
 
-def test_removal_keeps_what_came_before_and_after_it() -> None:
+def test_removal_and_clearing_keep_what_came_before_and_after_them() -> None:
+    """Updates pending when a series is removed (or all are) go with it; later ones recreate
+    it, with no scrape in between to fold them."""
     plain_registry, tallied_registry = _pair()
     plain = Counter("c", "help", ["a"], registry=plain_registry)
     tallied = TalliedCounter("c", "help", ["a"], registry=tallied_registry)
     plain_h = Histogram("h", "help", ["a"], buckets=BUCKETS, registry=plain_registry)
     tallied_h = TalliedHistogram("h", "help", ["a"], buckets=BUCKETS, registry=tallied_registry)
-    for value in (1, 2):
+
+    def update(value: int) -> None:
         plain.labels("x").inc(value)
         tallied.add(("x",), value)
         plain_h.labels("x").observe(value / 10)
         tallied_h.add(("x",), value / 10)
-    for metric in (plain, tallied, plain_h, tallied_h):
-        metric.remove("x")
-    assert _samples(tallied_registry) == _samples(plain_registry) == []
-    plain.labels("x").inc(4)
-    tallied.add(("x",), 4)
-    plain_h.labels("x").observe(0.5)
-    tallied_h.add(("x",), 0.5)
-    assert _samples(tallied_registry) == _samples(plain_registry)
+
+    for clear in (False, True):
+        update(1)
+        update(2)
+        for metric in (plain, tallied, plain_h, tallied_h):
+            if clear:
+                metric.clear()
+            else:
+                metric.remove("x")
+        update(4)
+        assert _samples(tallied_registry) == _samples(plain_registry)
+        assert tallied_registry.get_sample_value("c_total", {"a": "x"}) == 4
 
 
 def test_histogram_buckets_and_sum_equal_observe_bit_for_bit() -> None:
