@@ -15,6 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from epp import __version__
+from epp.tallied import TalliedCounter, TalliedHistogram
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -30,17 +31,17 @@ def child(metric: M, *values: str) -> M:
     return metric.labels(*values) if found is None else found
 
 
-REQUESTS = Counter(
+REQUESTS = TalliedCounter(
     "epp_requests_total",
     "Requests epp answered, by model and outcome (routed or the HTTP status it returned).",
     ["model", "outcome"],
 )
-PICKS = Counter(
+PICKS = TalliedCounter(
     "epp_endpoint_picks_total",
     "Requests routed to each endpoint (first choice).",
     ["pool", "endpoint"],
 )
-DECISION_SECONDS = Histogram(
+DECISION_SECONDS = TalliedHistogram(
     "epp_decision_seconds",
     "Time from end of request body to the routing answer (parse, admission, scheduling).",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
@@ -152,72 +153,72 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
-OBJECTIVE_REQUESTS = Counter(
+OBJECTIVE_REQUESTS = TalliedCounter(
     "inference_objective_request_total", "Requests epp routed, per model.", _MODEL
 )
-OBJECTIVE_ERRORS = Counter(
+OBJECTIVE_ERRORS = TalliedCounter(
     "inference_objective_request_error_total",
     "Routed requests whose response failed: the upstream status (e.g. 500) or 'incomplete' "
     "(the stream closed before the response ended).",
     [*_MODEL, "error_code"],
 )
-REQUEST_DURATION = Histogram(
+REQUEST_DURATION = TalliedHistogram(
     "inference_objective_request_duration_seconds",
     "From the request's arrival at epp to the end of its response, seen at the gateway.",
     _MODEL,
     buckets=_LATENCY_BUCKETS,
 )
-NORMALIZED_TPOT = Histogram(
+NORMALIZED_TPOT = TalliedHistogram(
     "inference_objective_normalized_time_per_output_token_seconds",
     "Request duration divided by its output tokens (responses that reported usage).",
     _MODEL,
     buckets=_PER_TOKEN_BUCKETS,
 )
-INPUT_TOKENS = Histogram(
+INPUT_TOKENS = TalliedHistogram(
     "inference_objective_input_tokens",
     "Prompt tokens per request (reported usage).",
     _MODEL,
     buckets=_TOKEN_BUCKETS,
 )
-OUTPUT_TOKENS = Histogram(
+OUTPUT_TOKENS = TalliedHistogram(
     "inference_objective_output_tokens",
     "Output tokens per request (reported usage).",
     _MODEL,
     buckets=_TOKEN_BUCKETS,
 )
-CACHED_TOKENS = Histogram(
+CACHED_TOKENS = TalliedHistogram(
     "llm_d_epp_request_cached_tokens",
     "Prompt tokens served from the prefix cache per request (when the engine reports them).",
     _MODEL,
     buckets=_TOKEN_BUCKETS,
 )
-TTFT = Histogram(
+TTFT = TalliedHistogram(
     "llm_d_epp_request_ttft_seconds",
     "Time to first token of streamed responses, from the request's arrival at epp to the "
     "first SSE event carrying output.",
     _MODEL,
     buckets=_LATENCY_BUCKETS,
 )
-ITL = Histogram(
+ITL = TalliedHistogram(
     "llm_d_epp_request_streaming_itl_seconds",
     "Gaps between consecutive SSE events carrying output (one event may carry several tokens).",
     _MODEL,
     buckets=_PER_TOKEN_BUCKETS,
 )
-TPOT = Histogram(
+TPOT = TalliedHistogram(
     "epp_request_tpot_seconds",
     "Time per output token of streamed responses: first to last token event over "
     "completion_tokens - 1.",
     _MODEL,
     buckets=_PER_TOKEN_BUCKETS,
 )
-TOKENS = Counter(
+TOKENS = TalliedCounter(
     "epp_tokens_total",
     "Tokens of finished responses by model, objective (configured names only) and kind "
     "(prompt, completion, cached).",
     ["model", "objective", "kind"],
 )
-RESPONSES = Counter(
+RESPONSES = TalliedCounter(
     "epp_endpoint_responses_total",
     "Upstream responses per endpoint that served them (after retries) and status class.",
     ["endpoint", "code"],
@@ -280,7 +281,7 @@ def forget_endpoint_health(pool: str, endpoint: str) -> None:
 
 # -- request results, scheduler latency, build info (docs/metrics.md) -------------------------
 
-RESULTS = Counter(
+RESULTS = TalliedCounter(
     "epp_request_results_total",
     "Every request epp saw, by how it ended: ok, a refusal epp answered itself (bad_request, "
     "model_not_found, too_large, rate_limited, no_endpoint, refused_other) or a routed "
@@ -302,7 +303,7 @@ def refusal_reason(status: int) -> str:
     return REFUSAL_REASONS.get(status, "refused_other")
 
 
-LATENCY_TARGETS = Counter(
+LATENCY_TARGETS = TalliedCounter(
     "epp_latency_target_requests_total",
     "Requests with a latency target (x-llm-d-slo-ttft-ms / -tpot-ms, the objective's or the "
     "latency-target-filter's), per objective and target (ttft, tpot), by whether the measured "

@@ -91,6 +91,11 @@ class Router:
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once.
         self._profile = build_profile(config.scheduling.selected)
+        self._needs_preparation = (
+            bool(self._profile.prepare)
+            or config.flow_control.mode == "queue"
+            or config.budgets.enabled
+        )
         self._default_target = next(
             (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
             LatencyTarget(),
@@ -125,12 +130,8 @@ class Router:
 
     def needs_preparation(self) -> bool:
         """Whether requests must pass through :meth:`prepare` and :meth:`admit` (awaited)
-        before :meth:`route`."""
-        return (
-            bool(self._profile.prepare)
-            or self._config.flow_control.mode == "queue"
-            or self._config.budgets.enabled
-        )
+        before :meth:`route` (settled once per configuration: asked once a request)."""
+        return self._needs_preparation
 
     async def admit(self, request: InferenceRequest) -> Charge | None:
         """Charge the request to its tenant's budget (429 when it is spent), then, with flow
@@ -230,7 +231,7 @@ class Router:
     def spill(self, request: InferenceRequest, overflow: str) -> Ticket:
         """Count ``request`` in flight to ``overflow`` (released by :meth:`finish`)."""
         SPILLED.labels(request.model, overflow).inc()
-        REQUESTS.labels(request.model, "spilled").inc()
+        REQUESTS.add((request.model, "spilled"))
         return self.fleet.inflight.add(inflight_key(overflow), request.expected_tokens())
 
     async def prepare(self, request: InferenceRequest) -> None:
@@ -301,11 +302,11 @@ class Router:
             laps,
             defer,
         )
-        DECISION_SECONDS.observe(time.perf_counter() - started)
+        DECISION_SECONDS.add((), time.perf_counter() - started)
         if not decision.endpoints and decision.refusal is not None:
             if target is not None:
                 for kind in _kinds(target):
-                    LATENCY_TARGETS.labels(request.objective, kind, "refused").inc()
+                    LATENCY_TARGETS.add((request.objective, kind, "refused"))
             raise decision.refusal
         if not decision.endpoints:
             ready = sum(1 for c in candidates if c.ready)
@@ -323,8 +324,8 @@ class Router:
         predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
         basis = Basis(features, predicted, target, request.objective)
         ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
-        child(PICKS, first.pool, first.address).inc()
-        child(REQUESTS, request.model, "routed").inc()
+        PICKS.add((first.pool, first.address))
+        REQUESTS.add((request.model, "routed"))
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
@@ -351,8 +352,8 @@ class Router:
             range(len(ready)), key=lambda i: (load(ready[i]).requests, (i - turn) % len(ready))
         )
         address = ready[best]
-        child(PICKS, pool, address).inc()
-        child(REQUESTS, "", "passthrough").inc()
+        PICKS.add((pool, address))
+        REQUESTS.add(("", "passthrough"))
         return self.fleet.inflight.add(address, 0)
 
     def _target(self, request: InferenceRequest, config: Config) -> LatencyTarget | None:
@@ -400,7 +401,7 @@ class Router:
             target = basis.target
             if target is not None and target.ttft is not None:
                 met = "met" if seconds <= target.ttft else "missed"
-                LATENCY_TARGETS.labels(basis.objective, "ttft", met).inc()
+                LATENCY_TARGETS.add((basis.objective, "ttft", met))
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:
         """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
@@ -410,7 +411,7 @@ class Router:
         target = basis.target
         if target is not None and target.tpot is not None:
             met = "met" if tpot <= target.tpot else "missed"
-            LATENCY_TARGETS.labels(basis.objective, "tpot", met).inc()
+            LATENCY_TARGETS.add((basis.objective, "tpot", met))
         if not pick.decoding:
             return
         endpoint = pick.ticket.endpoint

@@ -7,36 +7,35 @@ from epp.extproc.response_stream import Outcome
 
 
 def record(outcome: Outcome, model: str, objective: str) -> None:
+    # Tallied (epp.tallied): each is a dict update, folded into the series when scraped.
     labels = (model, model)
     if outcome.served is not None:
-        m.child(m.RESPONSES, outcome.served, m.response_code(outcome.status)).inc()
+        m.RESPONSES.add((outcome.served, m.response_code(outcome.status)))
     if outcome.status >= 400:
-        m.child(m.OBJECTIVE_ERRORS, *labels, str(outcome.status)).inc()
-        m.child(m.RESULTS, "upstream_5xx" if outcome.status >= 500 else "upstream_4xx").inc()
+        m.OBJECTIVE_ERRORS.add((model, model, str(outcome.status)))
+        m.RESULTS.add(("upstream_5xx" if outcome.status >= 500 else "upstream_4xx",))
         return
     if not outcome.complete:
-        m.child(m.OBJECTIVE_ERRORS, *labels, "incomplete").inc()
-        m.child(m.RESULTS, "incomplete").inc()
+        m.OBJECTIVE_ERRORS.add((model, model, "incomplete"))
+        m.RESULTS.add(("incomplete",))
         return
-    m.child(m.RESULTS, "ok").inc()
-    m.child(m.REQUEST_DURATION, *labels).observe(outcome.seconds)
+    m.RESULTS.add(("ok",))
+    m.REQUEST_DURATION.add(labels, outcome.seconds)
     if outcome.ttft is not None:
-        m.child(m.TTFT, *labels).observe(outcome.ttft)
+        m.TTFT.add(labels, outcome.ttft)
     if outcome.tpot is not None:
-        m.child(m.TPOT, *labels).observe(outcome.tpot)
-    if outcome.itl:
-        itl = m.child(m.ITL, *labels)
-        for gap in outcome.itl:
-            itl.observe(gap)
+        m.TPOT.add(labels, outcome.tpot)
+    for gap in outcome.itl:
+        m.ITL.add(labels, gap)
     usage = outcome.usage
     if usage is None:
         return
-    m.child(m.INPUT_TOKENS, *labels).observe(usage.prompt)
-    m.child(m.OUTPUT_TOKENS, *labels).observe(usage.completion)
-    m.child(m.TOKENS, model, objective, "prompt").inc(usage.prompt)
-    m.child(m.TOKENS, model, objective, "completion").inc(usage.completion)
+    m.INPUT_TOKENS.add(labels, usage.prompt)
+    m.OUTPUT_TOKENS.add(labels, usage.completion)
+    m.TOKENS.add((model, objective, "prompt"), usage.prompt)
+    m.TOKENS.add((model, objective, "completion"), usage.completion)
     if usage.completion:
-        m.child(m.NORMALIZED_TPOT, *labels).observe(outcome.seconds / usage.completion)
+        m.NORMALIZED_TPOT.add(labels, outcome.seconds / usage.completion)
     if usage.cached is not None:
-        m.child(m.CACHED_TOKENS, *labels).observe(usage.cached)
-        m.child(m.TOKENS, model, objective, "cached").inc(usage.cached)
+        m.CACHED_TOKENS.add(labels, usage.cached)
+        m.TOKENS.add((model, objective, "cached"), usage.cached)

@@ -92,9 +92,13 @@ def route_in_headers(
             return plain
         answer = ext_proc_pb2.ProcessingResponse()
         answer.CopyFrom(plain)
-        answer.request_headers.response.header_mutation.set_headers.append(
-            _header("content-length", str(content_length))
+        # Added in place: a header option built apart would be copied in (as _header's is).
+        option = answer.request_headers.response.header_mutation.set_headers.add(
+            append_action=_OVERWRITE
         )
+        header = option.header
+        header.key = "content-length"
+        header.raw_value = str(content_length).encode()
         return answer
     return _route_in_headers(destination, remove, content_length, scores, overflow)
 
@@ -179,22 +183,18 @@ def body_chunks(
 ) -> Iterator[ext_proc_pb2.ProcessingResponse]:
     """A body streamed back in full-duplex mode, at most :data:`MAX_CHUNK` bytes a message.
 
-    Only the last chunk carries ``end_of_stream``, and only if the body ended here.
-    """
+    Only the last chunk carries ``end_of_stream``, and only if the body ended here. Each answer
+    is filled through its field path: nested messages built first and passed to constructors
+    would each be copied into their parent (five messages a chunk, on every full-duplex request
+    and response body)."""
     last = max(len(body) - 1, 0) // MAX_CHUNK * MAX_CHUNK
     for offset in range(0, last + 1, MAX_CHUNK):
-        chunk = ext_proc_pb2.StreamedBodyResponse(
-            body=body[offset : offset + MAX_CHUNK], end_of_stream=end_of_stream and offset == last
-        )
-        answer = ext_proc_pb2.BodyResponse(
-            response=ext_proc_pb2.CommonResponse(
-                body_mutation=ext_proc_pb2.BodyMutation(streamed_response=chunk)
-            )
-        )
-        if response:
-            yield ext_proc_pb2.ProcessingResponse(response_body=answer)
-        else:
-            yield ext_proc_pb2.ProcessingResponse(request_body=answer)
+        answer = ext_proc_pb2.ProcessingResponse()
+        part = answer.response_body if response else answer.request_body
+        chunk = part.response.body_mutation.streamed_response
+        chunk.body = body[offset : offset + MAX_CHUNK]  # the body itself when it fits
+        chunk.end_of_stream = end_of_stream and offset == last
+        yield answer
 
 
 def stream_back(chunks: Sequence[bytes]) -> Iterator[ext_proc_pb2.ProcessingResponse]:
@@ -210,11 +210,9 @@ def stream_back(chunks: Sequence[bytes]) -> Iterator[ext_proc_pb2.ProcessingResp
 
 def replace_response_body(body: bytes) -> ext_proc_pb2.ProcessingResponse:
     """A STREAMED response chunk replaced by ``body`` (epp removed an event from it)."""
-    return ext_proc_pb2.ProcessingResponse(
-        response_body=ext_proc_pb2.BodyResponse(
-            response=ext_proc_pb2.CommonResponse(body_mutation=ext_proc_pb2.BodyMutation(body=body))
-        )
-    )
+    answer = ext_proc_pb2.ProcessingResponse()
+    answer.response_body.response.body_mutation.body = body
+    return answer
 
 
 def immediate(

@@ -43,7 +43,6 @@ from epp.observability import (
     OBJECTIVE_REQUESTS,
     REQUESTS,
     RESULTS,
-    child,
     refusal_reason,
 )
 from epp.request import (
@@ -56,7 +55,7 @@ from epp.request import (
 )
 from epp.router import Router
 from epp.state.inflight import Ticket
-from epp.state.moves import PickRecord, move_pick, recording
+from epp.state.moves import PickRecord, Recording, move_pick
 from epp.tracing import RequestTrace
 from epp.wire import (
     CONTROL_HEADERS,
@@ -296,7 +295,7 @@ class StreamHandler:
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
-        with recording(self._router.fleet.prefix) as learned:
+        with Recording(self._router.fleet.prefix) as learned:
             for task in work:
                 try:
                     task()
@@ -482,7 +481,7 @@ class StreamHandler:
         )
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self._request = request
-        child(OBJECTIVE_REQUESTS, request.model, request.model).inc()
+        OBJECTIVE_REQUESTS.add((request.model, request.model))
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self._headers, _REMOVED)
         scores = None
@@ -545,8 +544,8 @@ class StreamHandler:
         method = self._headers.get(":method", "GET")
         path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
         if method == "GET" and path.endswith("/v1/models"):
-            REQUESTS.labels("", "models").inc()
-            RESULTS.labels("ok").inc()
+            REQUESTS.add(("", "models"))
+            RESULTS.add(("ok",))
             if self._trace is not None:
                 self._trace.answered(200)
             return responses.immediate(200, self._router.models_body())
@@ -562,8 +561,8 @@ class StreamHandler:
     def _refuse(self, error: RequestError) -> Response:
         if self._trace is not None:
             self._trace.answered(error.status, error.message)
-        REQUESTS.labels("", str(error.status)).inc()
-        RESULTS.labels(refusal_reason(error.status)).inc()
+        REQUESTS.add(("", str(error.status)))
+        RESULTS.add((refusal_reason(error.status),))
         log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
         return responses.error_response(error)
 

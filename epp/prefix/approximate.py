@@ -53,7 +53,7 @@ class ApproximatePrefixIndex:
         # OrderedDict as an LRU set: oldest first, move_to_end on reuse, popitem(last=False).
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._recent: deque[Insertion] = deque(maxlen=recent_limit)
-        # While set (see epp.state.moves.recording), insertions are also noted here, so that
+        # While set (see epp.state.moves.Recording), insertions are also noted here, so that
         # a pick's insertion can be moved to the endpoint a retry ended on.
         self.journal: list[Learned] | None = None
 
@@ -62,10 +62,10 @@ class ApproximatePrefixIndex:
 
         ``capacity`` is the endpoint's cache size in blocks; the LRU shrinks or grows to it.
         """
+        known = self._leading(self._lrus.get(endpoint), hashes)
         if self.journal is not None:
-            known = self._leading(self._lrus.get(endpoint), hashes)
             self.journal.append(Learned(endpoint, hashes, capacity, known))
-        self._insert(endpoint, hashes, capacity)
+        self._insert(endpoint, hashes, capacity, known)
         self._recent.append(Insertion(endpoint, hashes, capacity))
 
     def retract(self, learned: Learned) -> None:
@@ -83,8 +83,10 @@ class ApproximatePrefixIndex:
 
     def apply(self, batch: Iterable[Insertion]) -> None:
         """Replay insertions made by other processes (not recorded again as recent)."""
-        for item in batch:
-            self._insert(*item)
+        for endpoint, hashes, capacity in batch:
+            self._insert(
+                endpoint, hashes, capacity, self._leading(self._lrus.get(endpoint), hashes)
+            )
 
     def take_recent(self) -> list[Insertion]:
         """Hand over (and forget) the insertions made here since the last call."""
@@ -105,18 +107,30 @@ class ApproximatePrefixIndex:
         lru = self._lrus.get(endpoint)
         return 0 if lru is None else len(lru)
 
-    def _insert(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+    def _insert(self, endpoint: str, hashes: Sequence[int], capacity: int, known: int) -> None:
+        """``known``: :meth:`_leading` of ``hashes`` on the endpoint, before this insertion."""
         lru = self._lrus.get(endpoint)
         if lru is None:
             lru = self._lrus[endpoint] = OrderedDict()
         capacity = max(1, capacity)
         touch = lru.move_to_end
         # Last block first: the head of the chain ends up most recent (see module docstring).
-        for h in reversed(hashes):
+        # Past the cached leading run each block is looked up (new ones are added)...
+        for h in reversed(hashes[known:]):
             if h in lru:
                 touch(h)
             else:
                 lru[h] = None
+        # ...and the run itself, cached by the invariant, is moved up by a C loop (for a
+        # repeated prompt, its whole chain; docs/overhead.md). Should a block of it be missing
+        # after all, it is added where the lookup would have added it, and the loop goes on.
+        run = reversed(hashes[:known])
+        while True:
+            try:
+                deque(map(touch, run), maxlen=0)
+                break
+            except KeyError as missing:
+                lru[missing.args[0]] = None
         while len(lru) > capacity:
             lru.popitem(last=False)
 

@@ -18,12 +18,16 @@ are hashed, as engines cache only full blocks, and at most ``max_blocks`` leadin
 match is a prefix, and capping bounds the work on huge prompts.
 
 Speed matters (a 32k-token prompt must not cost a millisecond): the prompt's prefix is encoded
-once, blocks are ``bytes`` slices of it (a 64-byte copy is cheaper than making a memoryview),
-and chaining passes the previous hash as xxh64's seed instead of concatenating it to the block.
+once, cut into ``bytes`` blocks by ``struct``'s C loop (``iter_unpack`` of ``"<n>s"``: no
+Python-level slicing per block, and a 64-byte copy is cheaper than making a memoryview), and
+chaining passes the previous hash as xxh64's seed instead of concatenating it to the block
+(docs/overhead.md has the timings).
 """
 
 from __future__ import annotations
 
+import functools
+import struct
 from array import array
 from dataclasses import dataclass
 
@@ -79,4 +83,12 @@ class BlockHasher:
             step = self.block_chars
         end = min(len(data) // step, self.max_blocks) * step
         h = seed
-        return [h := xxh64_intdigest(data[i : i + step], h) for i in range(0, end, step)]
+        return [
+            h := xxh64_intdigest(block, h) for (block,) in _blocks(step).iter_unpack(data[:end])
+        ]
+
+
+@functools.cache
+def _blocks(step: int) -> struct.Struct:
+    """Unpacks one ``step``-byte block as a ``bytes`` object."""
+    return struct.Struct(f"{step}s")

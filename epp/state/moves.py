@@ -4,7 +4,7 @@ Envoy retries a failed attempt on epp's next fallback, so the endpoint that answ
 from the one epp picked. Everything the pick recorded for the picked endpoint then describes a
 request it never ran: the in-flight ticket, the prefix blocks the approximate index now
 believes it caches, the session binding. The stream handler records the pick
-(:func:`recording` around :meth:`~epp.router.Router.route`) and, once the response names the
+(:class:`Recording` around :meth:`~epp.router.Router.route`) and, once the response names the
 endpoint that served, calls :func:`move_pick`. Scorer-private estimates (the TTFT scorer's
 prefill backlog, the precise index's speculative entries) are not moved: they expire by
 themselves within seconds.
@@ -12,8 +12,6 @@ themselves within seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from epp.prefix.approximate import ApproximatePrefixIndex, Learned
@@ -42,15 +40,23 @@ class PickRecord:
         return self.ticket.endpoint
 
 
-@contextmanager
-def recording(index: ApproximatePrefixIndex) -> Iterator[list[Learned]]:
-    """Collect the prefix insertions made inside the block (one synchronous decision)."""
-    journal: list[Learned] = []
-    index.journal = journal
-    try:
-        yield journal
-    finally:
-        index.journal = None
+class Recording:
+    """``with Recording(index) as journal``: collect the prefix insertions made inside the
+    block (one synchronous decision). A class, not a generator-based context manager: it runs
+    after every pick, and entering and leaving a generator costs several times as much."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: ApproximatePrefixIndex) -> None:
+        self._index = index
+
+    def __enter__(self) -> list[Learned]:
+        journal: list[Learned] = []
+        self._index.journal = journal
+        return journal
+
+    def __exit__(self, *_: object) -> None:
+        self._index.journal = None
 
 
 def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) -> PickRecord:
@@ -66,7 +72,7 @@ def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) ->
             learned.append(item)
             continue
         fleet.prefix.retract(item)
-        with recording(fleet.prefix) as journal:
+        with Recording(fleet.prefix) as journal:
             fleet.prefix.insert(served, item.hashes, item.capacity)
         learned.extend(journal)
     if record.session is not None:

@@ -16,7 +16,7 @@ from epp.extproc.stream import StreamHandler
 from epp.extproc.usage import Usage
 from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.state.fleet import FleetState
-from epp.state.moves import PickRecord, move_pick, recording
+from epp.state.moves import PickRecord, Recording, move_pick
 from epp.wire import SERVED
 from tests.unit.test_stream import body_msg, headers_msg, make_router
 
@@ -202,7 +202,7 @@ def test_prefix_insertion_moves_only_what_the_pick_added() -> None:
     fleet = FleetState()
     index = fleet.prefix
     index.insert(A, [1, 2], 100)  # A already cached the head of the chain
-    with recording(index) as learned:
+    with Recording(index) as learned:
         index.insert(A, [1, 2, 3, 4], 100)  # the pick's insertion
     record = PickRecord(fleet.inflight.add(A, 10), None, learned)
     moved = move_pick(fleet, record, B, 0.0)

@@ -300,6 +300,39 @@ async def test_plain_buffered_answers_are_shared_and_match_a_fresh_build() -> No
     assert rewritten.request_body.response.body_mutation.body == b"{}"
 
 
+@pytest.mark.parametrize("size", [0, 5, MAX_CHUNK, 2 * MAX_CHUNK + 7])
+@pytest.mark.parametrize("end", [True, False])
+@pytest.mark.parametrize("response", [True, False])
+def test_echoed_chunks_equal_the_messages_built_by_constructors(
+    size: int, end: bool, response: bool
+) -> None:
+    """Filled through their field paths (no nested copies), the echoes are the messages the
+    nested constructors build, byte for byte."""
+    body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    expected = []
+    last = max(size - 1, 0) // MAX_CHUNK * MAX_CHUNK
+    for offset in range(0, last + 1, MAX_CHUNK):
+        chunk = ext_proc_pb2.StreamedBodyResponse(
+            body=body[offset : offset + MAX_CHUNK], end_of_stream=end and offset == last
+        )
+        answer = ext_proc_pb2.BodyResponse(
+            response=ext_proc_pb2.CommonResponse(
+                body_mutation=ext_proc_pb2.BodyMutation(streamed_response=chunk)
+            )
+        )
+        kind = "response_body" if response else "request_body"
+        expected.append(ext_proc_pb2.ProcessingResponse(**{kind: answer}))
+    built = list(responses.body_chunks(body, end, response))
+    assert built == expected
+    assert [a.SerializeToString() for a in built] == [a.SerializeToString() for a in expected]
+    replaced = ext_proc_pb2.ProcessingResponse(
+        response_body=ext_proc_pb2.BodyResponse(
+            response=ext_proc_pb2.CommonResponse(body_mutation=ext_proc_pb2.BodyMutation(body=body))
+        )
+    )
+    assert responses.replace_response_body(body) == replaced
+
+
 def test_full_duplex_answers_copy_a_shared_one_and_add_the_length() -> None:
     first = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 10)
     second = responses.route_in_headers("127.0.0.1:8002", ["x-epp-explain"], 20)

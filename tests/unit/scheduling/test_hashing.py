@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
+from xxhash import xxh64_intdigest
 
 from epp.prefix.hashing import BlockHasher
 from epp.request import RequestPolicy, parse_request
@@ -95,3 +97,27 @@ def test_tokens_per_block() -> None:
 def test_rejects_non_positive_parameters(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         BlockHasher(**{field: 0})
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 5, 300])
+def test_the_chain_is_xxh64_of_each_block_seeded_with_the_previous_hash(blocks: int) -> None:
+    """The definition other processes (and saved indexes) rely on, spelled out: the seed is
+    xxh64 of ``model NUL lora``; block i is hashed with block i-1's hash as seed. Text in
+    64-byte UTF-8 blocks (multi-byte characters may straddle two), token ids in 16-id blocks
+    of 4-byte unsigned integers; a partial last block is not hashed."""
+
+    def chain(data: bytes, step: int, seed: int) -> list[int]:
+        out: list[int] = []
+        h = seed
+        for i in range(0, min(len(data) // step, 256) * step, step):
+            h = xxh64_intdigest(data[i : i + step], h)
+            out.append(h)
+        return out
+
+    prompt = ("héllo wörld ✓ " * 40 * (blocks + 1))[: blocks * 64 + 30]
+    seed = xxh64_intdigest(b"m\x00")
+    assert HASHER.hashes(req(prompt)) == chain(prompt.encode(), 64, seed)
+    ids = tuple(range(7, 7 + blocks * 16 + 5))
+    token_request = req("", tokens=ids)
+    expected = chain(array("I", ids[: 256 * 16]).tobytes(), 64, seed)
+    assert HASHER.hashes(token_request) == expected

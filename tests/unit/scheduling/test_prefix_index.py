@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from epp.prefix.approximate import ApproximatePrefixIndex
+import random
+
+from epp.prefix.approximate import ApproximatePrefixIndex, Insertion
 
 
 def test_match_counts_consecutive_leading_blocks_per_endpoint() -> None:
@@ -78,3 +80,40 @@ def test_recent_insertions_are_bounded_when_nobody_collects_them() -> None:
     for n in range(5):
         index.insert("a", [n], capacity=10)
     assert [list(i.hashes) for i in index.take_recent()] == [[3], [4]]
+
+
+def _reference_order(lru: list[int], hashes: list[int], capacity: int) -> list[int]:
+    """The LRU order an insertion must leave, by its definition: each block, last first,
+    moved to the most recent end (added if new), then the oldest dropped down to capacity."""
+    order = list(lru)
+    for h in reversed(hashes):
+        if h in order:
+            order.remove(h)
+        order.append(h)
+    return order[max(0, len(order) - max(1, capacity)) :]
+
+
+def test_insertion_order_equals_the_definition_even_when_the_invariant_is_broken() -> None:
+    """Random chains sharing prefixes, small capacities, retractions, and blocks deleted from
+    the middle of cached runs by hand (which the chain invariant says never happens): the
+    LRU's order is always the one the definition gives."""
+    rng = random.Random(5)
+    index = ApproximatePrefixIndex()
+    expected: list[int] = []
+    stems = [[rng.getrandbits(64) for _ in range(12)] for _ in range(4)]
+    for step in range(400):
+        stem = rng.choice(stems)
+        hashes = stem[: rng.randint(1, 12)] + [
+            rng.getrandbits(64) for _ in range(rng.randint(0, 3))
+        ]
+        capacity = rng.choice((8, 20, 100))
+        if step % 7 == 3 and expected:  # break the invariant: a block vanishes mid-run
+            gone = rng.choice(expected)
+            index._lrus["e"].pop(gone)
+            expected.remove(gone)
+        expected = _reference_order(expected, hashes, capacity)
+        if step % 2:
+            index.insert("e", hashes, capacity)
+        else:
+            index.apply([Insertion("e", hashes, capacity)])
+        assert list(index._lrus["e"]) == expected
