@@ -188,15 +188,38 @@ def test_objective_targets_are_validated_at_load() -> None:
     assert "tpot_ms" in str(refused.value)
 
 
-async def capacity_router(learned: bool, slow_weight: float | None = None) -> Router:
+# The default profile with the ttft-scorer's learned speeds turned on.
+LEARNED_SPEED_PROFILE = {
+    "profile": "learned-speed",
+    "plugins": [{"name": "ttft", "type": "ttft-scorer", "parameters": {"learned_speed": True}}],
+    "profiles": {
+        "learned-speed": [
+            {"plugin": "ready-endpoint-filter"},
+            {"plugin": "lora-filter"},
+            {"plugin": "kv-headroom-filter"},
+            {"plugin": "prefix-cache-scorer", "weight": 3},
+            {"plugin": "session-affinity-scorer", "weight": 3},
+            {"plugin": "lora-affinity-scorer", "weight": 1},
+            {"plugin": "inflight-load-scorer", "weight": 3},
+            {"plugin": "ttft", "weight": 2},
+            {"plugin": "max-score-picker"},
+        ]
+    },
+}
+
+
+async def capacity_router(
+    learned: bool, slow_weight: float | None = None, learned_speed: bool = False
+) -> Router:
     slow: object = SLOW if slow_weight is None else {"address": SLOW, "weight": slow_weight}
-    config = parse_config(
-        {
-            "models": {"tiny": {"pools": ["main"]}},
-            "pools": {"main": {"endpoints": [FAST, slow]}},
-            "routing": {"learned_capacity": learned},
-        }
-    )
+    raw: dict[str, object] = {
+        "models": {"tiny": {"pools": ["main"]}},
+        "pools": {"main": {"endpoints": [FAST, slow]}},
+        "routing": {"learned_capacity": learned},
+    }
+    if learned_speed:
+        raw["scheduling"] = LEARNED_SPEED_PROFILE
+    config = parse_config(raw)
     store = MemoryStore()
     for address in (FAST, SLOW):
         await store.put_endpoint(EndpointState(address, "main", True, EndpointMetrics(), 1.0))
@@ -207,12 +230,12 @@ async def capacity_router(learned: bool, slow_weight: float | None = None) -> Ro
     return router
 
 
-async def test_default_profile_sends_cold_prompts_to_the_faster_replica_without_weights() -> None:
-    """routing.learned_capacity off (the default), no weights: the TTFT estimate still divides
-    prefill by the learned speeds, so prompts cached nowhere go to FAST, one at a time (each
-    finished before the next: equal loads; eight, which a coin would all send to FAST once in
-    256)."""
-    router = await capacity_router(learned=False)
+async def test_learned_speed_sends_cold_prompts_to_the_faster_replica_without_weights() -> None:
+    """routing.learned_capacity off (the default), no weights, the ttft-scorer's
+    ``learned_speed`` on: the TTFT estimate divides prefill by the learned speeds, so prompts
+    cached nowhere go to FAST, one at a time (each finished before the next: equal loads;
+    eight, which a coin would all send to FAST once in 256)."""
+    router = await capacity_router(learned=False, learned_speed=True)
     for i in range(8):
         decision, ticket = router.route(req(f"{i} " + "x" * 4000, model="tiny"))
         assert decision.endpoints[0].address == FAST

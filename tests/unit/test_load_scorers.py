@@ -169,17 +169,17 @@ def test_ttft_sends_a_cold_prompt_to_the_replica_that_learned_to_prefill_faster(
     fleet = FleetState()
     learn(fleet, {"fast": 10_000, "slow": 5_000}, 100.0)
     cycle = Cycle(Snapshot(), fleet, now=100.0)
-    fast, slow = TtftScorer().score(req(8000), [ep("fast"), ep("slow")], cycle)
+    on = TtftScorer(TtftParams(learned_speed=True))
+    fast, slow = on.score(req(8000), [ep("fast"), ep("slow")], cycle)
     assert fast == 1.0
     assert slow == pytest.approx(0.5, abs=0.1)
-    # Off, every unweighted endpoint counts as 1 (the profile before learned speeds).
-    off = TtftScorer(TtftParams(learned_speed=False))
-    assert off.score(req(8000), [ep("fast"), ep("slow")], cycle) == [1.0, 1.0]
+    # Off (the default), every unweighted endpoint counts as 1.
+    assert TtftScorer().score(req(8000), [ep("fast"), ep("slow")], cycle) == [1.0, 1.0]
     # A configured weight overrides what was learned.
     weighted = Cycle(Snapshot(), fleet, weights={"slow": 4.0}, now=100.0)
-    assert TtftScorer().score(req(8000), [ep("fast"), ep("slow")], weighted)[1] == 1.0
+    assert on.score(req(8000), [ep("fast"), ep("slow")], weighted)[1] == 1.0
     # Learned speed drains the prefill queue too: 4,000 tokens at 10k x ~1.3 in 0.1 s.
-    scorer = TtftScorer()
+    scorer = TtftScorer(TtftParams(learned_speed=True))
     for address in ("fast", "slow"):
         scorer.on_pick(req(4000 * 4 - 4), ep(address), Cycle(Snapshot(), fleet, now=100.0))
     later = Cycle(Snapshot(), fleet, now=100.1)
@@ -190,7 +190,7 @@ def test_ttft_picks_on_equal_replicas_do_not_change_with_what_was_learned() -> N
     """Replicas that learned the same rate (within noise) score as if nothing was learned."""
     fleet = FleetState()
     learn(fleet, {"a": 10_000, "b": 9_500, "c": 10_500}, 100.0)
-    scorer = TtftScorer()
+    scorer = TtftScorer(TtftParams(learned_speed=True))
     eps = [ep("a"), ep("b"), ep("c")]
     scorer.on_pick(req(2000), ep("b"), Cycle(Snapshot(), fleet, now=100.0))
     cycle = Cycle(Snapshot(), fleet, now=100.01)
