@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import pytest
 from epp.config import parse_config
 from epp.devstack import free_port
 from epp.envoy_config import render
+from tests.e2e.fleet import wait_until
 from tests.helpers.envoy import EnvoyProcess
 
 NAME = "sim.hosts.test"
@@ -45,14 +45,6 @@ def pool_hosts(envoy: EnvoyProcess) -> set[str]:
 def failed_lookups(envoy: EnvoyProcess) -> int:
     _, text = envoy.admin_get("/stats?filter=^cluster\\.pool\\.update_failure$")
     return int(text.split(":")[1])
-
-
-def wait(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_pool_keeps_its_hosts_while_the_name_is_missing(tmp_path: Path) -> None:
@@ -83,7 +75,7 @@ def test_pool_keeps_its_hosts_while_the_name_is_missing(tmp_path: Path) -> None:
     wrapper = ["unshare", "--mount", "sh", "-c", MOUNT, "sh", str(hosts), str(nsswitch)]
     with EnvoyProcess.start(text, admin, tmp_path, wrapper=wrapper) as envoy:
         both = {"127.0.0.2:8000", "127.0.0.3:8000"}
-        wait(lambda: pool_hosts(envoy) == both, "Envoy to resolve both addresses")
+        wait_until(lambda: pool_hosts(envoy) == both, 10, "Envoy to resolve both addresses")
 
         publish()  # the name is gone for a moment: five refresh intervals
         failed = failed_lookups(envoy)
@@ -94,4 +86,4 @@ def test_pool_keeps_its_hosts_while_the_name_is_missing(tmp_path: Path) -> None:
         assert failed_lookups(envoy) >= failed + 3
 
         publish("127.0.0.3")  # a real change is still followed
-        wait(lambda: pool_hosts(envoy) == {"127.0.0.3:8000"}, "Envoy to drop 127.0.0.2")
+        wait_until(lambda: pool_hosts(envoy) == {"127.0.0.3:8000"}, 10, "Envoy to drop 127.0.0.2")

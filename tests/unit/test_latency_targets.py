@@ -7,7 +7,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from epp.config import ConfigError, parse_config
+from epp.config import DEFAULT_PROFILE, ConfigError, parse_config
 from epp.errors import RequestError
 from epp.request import LatencyTarget
 from epp.router import Router
@@ -194,15 +194,8 @@ LEARNED_SPEED_PROFILE = {
     "plugins": [{"name": "ttft", "type": "ttft-scorer", "parameters": {"learned_speed": True}}],
     "profiles": {
         "learned-speed": [
-            {"plugin": "ready-endpoint-filter"},
-            {"plugin": "lora-filter"},
-            {"plugin": "kv-headroom-filter"},
-            {"plugin": "prefix-cache-scorer", "weight": 3},
-            {"plugin": "session-affinity-scorer", "weight": 3},
-            {"plugin": "lora-affinity-scorer", "weight": 1},
-            {"plugin": "inflight-load-scorer", "weight": 3},
-            {"plugin": "ttft", "weight": 2},
-            {"plugin": "max-score-picker"},
+            {**step, "plugin": "ttft"} if step["plugin"] == "ttft-scorer" else step
+            for step in DEFAULT_PROFILE
         ]
     },
 }

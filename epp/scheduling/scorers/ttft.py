@@ -104,7 +104,8 @@ class TtftScorer(Scorer, PostPick):
             uncached = max(0, prompt - cached.get(c.address, 0))
             capacity = speed(c.address, cycle, learned)
             queued = max(
-                self.backlog(c.address, cycle), c.metrics.waiting * self.tokens_per_request
+                self._backlog(c.address, capacity, cycle),
+                c.metrics.waiting * self.tokens_per_request,
             )
             estimate = self.queue_weight * queued + uncached
             if self.kv_wait_factor:
@@ -125,11 +126,14 @@ class TtftScorer(Scorer, PostPick):
     def backlog(self, address: str, cycle: Cycle) -> float:
         """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained): they
         drain at ``prefill_tokens_per_second`` times the endpoint's speed."""
+        return self._backlog(address, speed(address, cycle, self.learned_speeds(cycle)), cycle)
+
+    def _backlog(self, address: str, capacity: float, cycle: Cycle) -> float:
+        """:meth:`backlog` with the endpoint's speed already known (:meth:`score` has it)."""
         entry = cycle.fleet.prefill.get(address)
         if entry is None:
             return 0.0
         tokens, as_of = entry
-        capacity = speed(address, cycle, self.learned_speeds(cycle))
         drained = self.prefill_rate * capacity * (cycle.now - as_of)
         return max(0.0, tokens - drained)
 
