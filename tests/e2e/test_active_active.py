@@ -415,8 +415,11 @@ def inflight_view(stack: Stack, index: int) -> dict[str, float]:
 class CrashWatcher:
     """Probes one replica and both epps' pick counters for it every few ms.
 
-    ``died`` is when the replica first failed to answer ``/health``; ``last_pick[i]`` when epp
-    ``i`` last picked it (its counter last grew).
+    ``died`` is when the replica first failed to answer ``/health``; ``last_pick[i]`` the
+    earliest time epp ``i``'s last pick of it can have happened: when the read before the one
+    that saw its counter grow began. Stamping the read that saw the growth instead charged the
+    watcher's own lag to epp: on a busy machine a read of ``/metrics`` takes 100 ms or more,
+    and a pick made just before the crash was counted as made that much after it.
     """
 
     def __init__(self, stack: Stack, address: str) -> None:
@@ -436,13 +439,16 @@ class CrashWatcher:
 
     def _run(self) -> None:
         seen = [-1, -1]
+        read_at = [0.0, 0.0]  # when the latest read of each epp's counter began
         while not self._stop.is_set():
             if not self.died and not http_ok(f"http://{self.address}/health", timeout=0.05):
                 self.died = time.monotonic()
             for i in (0, 1):
+                started = time.monotonic()
                 count = picks(self.stack, i)[self.address]
                 if count != seen[i]:
-                    seen[i], self.last_pick[i] = count, time.monotonic()
+                    seen[i], self.last_pick[i] = count, read_at[i]
+                read_at[i] = started
             time.sleep(0.003)
 
 
