@@ -22,6 +22,7 @@ from tests.e2e.client import completion
 from tests.e2e.test_active_active import (
     PROFILE,
     SIM_ARGS,
+    STEADY_HEALTH,
     ha_stack,
     needs_prefix_scorer,
     picks,
@@ -47,7 +48,13 @@ def workers_stack(tmp: Path, redis_url: str, workers: int = 2) -> Stack:
         replicas=3,
         workers=workers,
         redis_url=redis_url,
-        config_extra={"scheduling": PROFILE, "store": {"key_prefix": f"w-{uuid.uuid4().hex[:8]}"}},
+        config_extra={
+            "scheduling": PROFILE,
+            "store": {"key_prefix": f"w-{uuid.uuid4().hex[:8]}"},
+            # It compares prefix hit rates, which a latency ejection on a busy machine muddles
+            # (test_active_active.STEADY_HEALTH says why); errors still eject.
+            "health": STEADY_HEALTH,
+        },
         sim_args=SIM_ARGS,
     )
 
@@ -62,7 +69,7 @@ def test_two_workers_both_decide_and_match_one_process_hit_rate(
     tmp_path: Path, own_redis: redis_servers.RedisServer
 ) -> None:
     needs_prefix_scorer()
-    with ha_stack(tmp_path / "one", None, epps=1) as single:
+    with ha_stack(tmp_path / "one", None, epps=1, health=STEADY_HEALTH) as single:
         single.start()
         _, single_rate = prefix_groups(single)
     with workers_stack(tmp_path / "two", own_redis.url) as stack:
