@@ -9,6 +9,7 @@ with :mod:`benchmarks.floor_extproc`, which reads and parses what every picker m
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -91,16 +92,39 @@ class NoopProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                         yield chunk
 
 
+class SpinProcessor(NoopProcessor):
+    """The no-op plus ``spin`` seconds of CPU burnt in a tight loop per request (a tiny working
+    set: no data touched, no allocation), to measure what a given amount of per-request
+    Python work costs the whole server through gRPC (benchmarks/spin_calibration.py)."""
+
+    def __init__(self, destinations: Sequence[str], spin: float) -> None:
+        super().__init__(destinations)
+        self.spin = spin
+
+    def decide(self, headers: ext_proc_pb2.HttpHeaders, body: bytes) -> str:
+        until = time.thread_time() + self.spin
+        while time.thread_time() < until:
+            pass
+        return self.destinations[0]
+
+
 def serve(name: str, make: Callable[[list[str]], NoopProcessor]) -> None:
-    """Run the processor ``make`` builds from ``--destination`` on ``--port`` under uvloop."""
+    """Run the processor ``make`` builds from ``--destination`` on ``--port`` under uvloop;
+    with ``--spin-us``, a :class:`SpinProcessor` instead."""
     parser = argparse.ArgumentParser(description=f"{name} ext_proc server (benchmarks)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--destination", action="append", required=True, help="repeatable")
+    parser.add_argument(
+        "--spin-us", type=float, default=0.0, help="CPU µs burnt per request (SpinProcessor)"
+    )
     args = parser.parse_args()
+    processor = make(args.destination)
+    if args.spin_us > 0:
+        processor = SpinProcessor(args.destination, args.spin_us / 1e6)
 
     async def main() -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(make(args.destination), server)
+        ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         server.add_insecure_port(f"127.0.0.1:{args.port}")
         await server.start()
         print(f"{name} ext_proc ready", flush=True)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -276,12 +277,18 @@ def front_config(config: Config, mode: str, grpc_port: int, health: int) -> tupl
 
 
 def start_setup(
-    bench: Bench, setup: str, mode: str, config_path: Path, python: str, probe: bytes
+    bench: Bench,
+    setup: str,
+    mode: str,
+    config_path: Path,
+    python: str,
+    probe: bytes,
+    extra: Sequence[str] = (),
 ) -> tuple[Proc, int]:
-    """Start ``setup``'s ext_proc server (a :data:`BASELINES` server, or epp run by ``python``
-    with the configuration at ``config_path``) and its front Envoy as `epp envoy-config`
-    renders it for ``mode``; return the server and the front's port once ``probe`` (a
-    completion request) routes to a replica."""
+    """Start ``setup``'s ext_proc server (a :data:`BASELINES` server, given the arguments
+    ``extra`` too, or epp run by ``python`` with the configuration at ``config_path``) and its
+    front Envoy as `epp envoy-config` renders it for ``mode``; return the server and the
+    front's port once ``probe`` (a completion request) routes to a replica."""
     config = load_config(config_path)
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     if setup in BASELINES:
@@ -290,6 +297,7 @@ def start_setup(
         argv = [sys.executable, "-m", BASELINES[setup], "--port", str(grpc_port)]
         for endpoint in endpoints[:1] if setup == "noop" else endpoints:
             argv += ["--destination", endpoint]
+        argv += extra
         server = bench.spawn(f"{setup}-{mode}", argv)
     else:
         argv = epp_argv(python, config_path, grpc_port, health, metrics)
