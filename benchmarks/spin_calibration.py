@@ -6,8 +6,9 @@ response path as `epp envoy-config` renders it), it runs the no-op with ``--spin
 same server burning N µs of CPU per request in a tight loop that touches no data. At
 concurrency 32 (wrk, one connection per request slot, the set-ups alternating round by round)
 it reports each server's requests/s and CPU per request, split by thread: the Python threads
-(the event loop running the handler and grpc.aio's completion-queue poller) and gRPC's own C++
-threads (``event_engine``: sockets, HTTP/2), from ``/proc/<pid>/task``. If the server's CPU per
+(the event loop running the handler and grpc.aio's completion-queue poller) and the others
+(gRPC's own C++ threads, ``event_engine``: sockets and HTTP/2; its timers; uvloop's resolver
+pool), from ``/proc/<pid>/task``. If the server's CPU per
 request grew by exactly N, handler work would cost what it costs in process; the excess over N
 is what the rest of the server spends because the handler got longer. Placing epp between two
 spins shows how much of its excess over the no-op any handler of that length would cause.
@@ -101,10 +102,10 @@ def main() -> None:
                 done = rps * args.duration
                 after = thread_cpu(pid)
                 python = sum(v - threads.get(k, 0.0) for k, v in after.items() if k == "python")
-                grpc = sum(v - threads.get(k, 0.0) for k, v in after.items() if k != "python")
+                other = sum(v - threads.get(k, 0.0) for k, v in after.items() if k != "python")
                 cpu = cpu_seconds(pid) - total
                 rows.setdefault(name, []).append(
-                    (rps, cpu / done * 1e6, python / done * 1e6, grpc / done * 1e6)
+                    (rps, cpu / done * 1e6, python / done * 1e6, other / done * 1e6)
                 )
                 print(f"  {name:10} {rps:6.0f} req/s {cpu / done * 1e6:5.0f} µs/req", flush=True)
     finally:
@@ -117,14 +118,14 @@ def main() -> None:
         f"load average after {load}\n"
     )
     print(
-        "| server | req/s | cpu µs/req | Python threads µs/req | gRPC threads µs/req "
+        "| server | req/s | cpu µs/req | Python threads µs/req | other threads µs/req "
         "| over the no-op µs/req |"
     )
     print("|---|---|---|---|---|---|")
     noop = statistics.median(r[1] for r in rows["noop"])
     for name, runs in rows.items():
-        rps, cpu, python, grpc = (statistics.median(r[i] for r in runs) for i in range(4))
-        print(f"| {name} | {rps:.0f} | {cpu:.0f} | {python:.0f} | {grpc:.0f} | {cpu - noop:+.0f} |")
+        rps, cpu, python, other = (statistics.median(r[i] for r in runs) for i in range(4))
+        print(f"| {name} | {rps:.0f} | {cpu:.0f} | {python:.0f} | {other:.0f} | {cpu - noop:+.0f} |")
 
 
 if __name__ == "__main__":
