@@ -125,7 +125,8 @@ def main() -> None:
     noop = statistics.median(r[1] for r in rows["noop"])
     for name, runs in rows.items():
         rps, cpu, python, other = (statistics.median(r[i] for r in runs) for i in range(4))
-        print(f"| {name} | {rps:.0f} | {cpu:.0f} | {python:.0f} | {other:.0f} | {cpu - noop:+.0f} |")
+        figures = f"{rps:.0f} | {cpu:.0f} | {python:.0f} | {other:.0f} | {cpu - noop:+.0f}"
+        print(f"| {name} | {figures} |")
 
 
 if __name__ == "__main__":
