@@ -376,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(ROOT / "docs" / "learned-latency-bench.md"),
         "--duration",
         "20",
+        # A learner is judged after it has seen traffic: every router (peers and hand-set
+        # weights alike) gets the same warm-up of prompts cached nowhere before its first
+        # stage (docs/learned-latency-bench.md, "Warm start").
+        "--warmup",
+        "10",
     ]
     args = routing.parse_args([*defaults, *given])
     if "--duration" not in given and args.quick:
