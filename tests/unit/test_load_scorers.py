@@ -249,17 +249,3 @@ async def test_default_profile_gives_a_weighted_replica_its_share_of_a_burst() -
         counts[decision.endpoints[0].address] += 1
     assert 90 <= counts[BIG] <= 110, counts
     assert abs(counts[S1] - counts[S2]) <= 10, counts
-
-
-def test_learned_speeds_are_ignored_while_every_candidate_has_a_queue() -> None:
-    """Saturated (every engine has requests waiting): the TTFTs the speeds came from were
-    mostly queueing, so the estimate counts every unweighted endpoint as 1; as soon as one
-    candidate has no queue the learned speeds count again."""
-    fleet = FleetState()
-    learn(fleet, {"fast": 10_000, "slow": 5_000}, 100.0)
-    cycle = Cycle(Snapshot(), fleet, now=100.0)
-    scorer = TtftScorer(TtftParams(learned_speed=True))
-    saturated = [ep("fast", waiting=2), ep("slow", waiting=2)]
-    assert scorer.score(req(8000), saturated, cycle) == [1.0, 1.0]
-    fast, slow = scorer.score(req(8000), [ep("fast", waiting=2), ep("slow")], cycle)
-    assert fast == 1.0 > slow

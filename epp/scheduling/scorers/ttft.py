@@ -32,12 +32,11 @@ replica a hot prefix has filled (a fraction-of-cache penalty cannot tell the two
 Prefill work is divided by the endpoint's compute speed: its configured capacity weight, else
 (with ``learned_speed``, off by default) the speed the latency model learned from its responses
 when that differs from the fleet's median beyond noise
-(:meth:`~epp.state.latency.LatencyModel.speeds`), except while every candidate has requests
-waiting in its engine (a saturated fleet, where learned speeds are queueing noise). On a
-fleet mixing GPU generations a prompt cached nowhere then goes to an idle fast replica rather
-than an idle slow one, which the token count alone cannot tell apart; on equal replicas nothing
-changes. Only this estimate, compute, is scaled: load and cache scorers keep counting tokens,
-because a fast replica's KV cache is no larger than a slow one's (docs/learned-latency.md).
+(:meth:`~epp.state.latency.LatencyModel.speeds`). On a fleet mixing GPU
+generations a prompt cached nowhere then goes to an idle fast replica rather than an idle slow
+one, which the token count alone cannot tell apart; on equal replicas nothing changes. Only this
+estimate, compute, is scaled: load and cache scorers keep counting tokens, because a fast
+replica's KV cache is no larger than a slow one's (docs/learned-latency.md).
 
 Score: ``(best + slack) / (estimate + slack)``, so the fastest endpoint scores 1 and one twice
 as slow about 0.5; ``slack`` (a few blocks of work) keeps tiny differences from dominating.
@@ -99,12 +98,7 @@ class TtftScorer(Scorer, PostPick):
         prompt = request.prompt_tokens()
         output = request.output_tokens()
         cached = cycle.get(CACHED_TOKENS) or {}
-        # Every candidate has requests waiting in its engine: the fleet is saturated, a cold
-        # prompt waits wherever it goes, and the TTFTs the speeds were fitted from were mostly
-        # that wait (KV-bound queueing the model's features do not see), so equal replicas
-        # learn speeds apart and the estimate would pick favourites (docs/learned-latency.md).
-        saturated = all(c.metrics.waiting > 0 for c in candidates)
-        learned = {} if saturated else self.learned_speeds(cycle)
+        learned = self.learned_speeds(cycle)
         estimates = []
         for c in candidates:
             uncached = max(0, prompt - cached.get(c.address, 0))
