@@ -5,7 +5,9 @@ The fleet is the routing benchmark's (benchmarks/routing.py) with replicas of tw
 by side (``--speeds``, default fast and half-speed alternating: 4 fast + 4 slow). After every
 stage the script reads each epp router's ``/debug/endpoints``: the latency model's median
 absolute error of the TTFT predicted at each pick against the TTFT measured, per endpoint,
-and the learned capacities, grouped by the replicas' true speed.
+and the learned capacities, grouped by the replicas' true speed. Before its first stage every
+router gets the same 10 s warm-up of prompts that share no prefix with the workload
+(``--warmup``, excluded from the stats), so a learner is judged after it has seen the replicas.
 
 Usage: ``python -m benchmarks.learned [--quick] [--repeat N] [--routers a,b]
 [--workloads shared-prefix,mixed] [routing benchmark options]``.
