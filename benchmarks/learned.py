@@ -5,7 +5,9 @@ The fleet is the routing benchmark's (benchmarks/routing.py) with replicas of tw
 by side (``--speeds``, default fast and half-speed alternating: 4 fast + 4 slow). After every
 stage the script reads each epp router's ``/debug/endpoints``: the latency model's median
 absolute error of the TTFT predicted at each pick against the TTFT measured, per endpoint,
-and the learned capacities, grouped by the replicas' true speed.
+and the learned capacities, grouped by the replicas' true speed. Before its first stage every
+router gets the same 10 s warm-up of prompts that share no prefix with the workload
+(``--warmup``, excluded from the stats), so a learner is judged after it has seen the replicas.
 
 Usage: ``python -m benchmarks.learned [--quick] [--repeat N] [--routers a,b]
 [--workloads shared-prefix,mixed] [routing benchmark options]``.
@@ -376,6 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(ROOT / "docs" / "learned-latency-bench.md"),
         "--duration",
         "20",
+        # A learner is judged after it has seen traffic: every router (peers and hand-set
+        # weights alike) gets the same warm-up of prompts cached nowhere before its first
+        # stage (docs/learned-latency-bench.md, "Warm start").
+        "--warmup",
+        "10",
     ]
     args = routing.parse_args([*defaults, *given])
     if "--duration" not in given and args.quick:

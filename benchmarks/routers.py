@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import json
 import math
+import os
 import sys
 import time
 import urllib.request
@@ -343,7 +344,9 @@ class EppProfile(Router):
 
     def stack(self, workdir: Path, fleet: Fleet) -> FleetStack:
         stack = super().stack(workdir, fleet)
-        stack.epp_args = ["--log-level", "warning"]
+        # EPP_BENCH_LOG_LEVEL=debug logs every pick with each candidate's scores to the
+        # stack's epp log (epp.router's "decision" lines): where a stage's slow requests went.
+        stack.epp_args = ["--log-level", os.environ.get("EPP_BENCH_LOG_LEVEL", "warning")]
         if self.spec.get("kv_events"):
             taken = {stack.envoy_port, stack.admin_port, *(p for t in stack.epp_ports for p in t)}
             assert stack.sim_base_port is not None

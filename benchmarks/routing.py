@@ -49,7 +49,7 @@ from benchmarks.report import (
 )
 from benchmarks.routers import Fleet, FleetStack, Router, all_routers
 from benchmarks.trace import sum_samples, traced
-from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload
+from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload, warmup
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
@@ -70,6 +70,10 @@ RATES = {
 # unless --workloads says otherwise (every router x workload pair restarts a fleet).
 QUICK_RATES = {"shared-prefix": [12.0], "multi-turn": [12.0], "lora": [12.0], "mixed": [12.0]}
 QUICK_WORKLOADS = ["shared-prefix"]
+# Warm-up requests per second (--warmup): on 8 replicas, 3/s for 10 s gives each a few
+# responses to learn from while keeping the fleet far from busy (a cold 2,300-token prefill
+# takes ~0.45 s on a fast replica at time scale 3).
+WARMUP_RATE = 3.0
 DEFAULT_WORKLOADS = ["shared-prefix", "multi-turn", "lora"]
 COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -213,6 +217,23 @@ def measure(
         print(f"  {router.name}: ready in {time.monotonic() - started:.1f}s", flush=True)
         sim_pids = [p.popen.pid for n, p in stack.procs.items() if n.startswith("sim")]
         router_pids = [p.popen.pid for n, p in stack.procs.items() if not n.startswith("sim")]
+        if args.warmup > 0:
+            requests, arrivals = warmup(args.warmup, WARMUP_RATE, args.seed)
+            warm = _run_async(
+                run_stage(
+                    url,
+                    requests,
+                    arrivals,
+                    request_timeout=args.request_timeout,
+                    drain_timeout=args.drain_timeout,
+                )
+            )
+            failed = sum(1 for o in warm.outcomes if not o.ok)
+            print(
+                f"  {router.name}: warm-up {len(requests)} requests in {args.warmup:g} s, "
+                f"{failed} failed (not in the stats)",
+                flush=True,
+            )
         rows = []
         for stage in stages:
             before = replica_counters(stack.replica_addresses)
@@ -300,7 +321,14 @@ def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespa
         ),
         f"- Stages of {args.duration:g} s of open-loop Poisson arrivals per rate; each request "
         f"times out after {args.request_timeout:g} s; requests still running "
-        f"{args.drain_timeout:g} s after a stage's last send count as errors.",
+        f"{args.drain_timeout:g} s after a stage's last send count as errors."
+        + (
+            f" Before its first stage every router got the same {args.warmup:g} s warm-up "
+            f"(`--warmup`: {WARMUP_RATE:g} req/s of 2,300-token prompts sharing no prefix with "
+            "the workload, 32 output tokens, drained before the stage; not in the stats)."
+            if args.warmup > 0
+            else ""
+        ),
         "- Rates were calibrated by sweeping 4-32 req/s at time scale 3 on this machine: round "
         "robin saturates the shared-prefix fleet at about 8 req/s (TTFT p90 0.5 s at 4/s, "
         "1.7 s at 8/s, 10 s at 16/s, throughput flat at ~5 req/s completed), sglang-router at "
@@ -410,6 +438,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="share of the fleet's KV the shared-prefix system prompts need",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help=f"seconds of warm-up before each router's first stage, excluded from the stats: "
+        f"{WARMUP_RATE:g} req/s of prompts cached nowhere that share no prefix with the "
+        "workload (so a learning router has seen every replica, and the measured prompts' "
+        "caches stay cold); the same requests for every router (default 0: none)",
+    )
     parser.add_argument(
         "--slo", type=float, default=1.0, help="TTFT p90 target (s) for the report's summary"
     )

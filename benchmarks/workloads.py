@@ -323,6 +323,24 @@ class Mixed:
             yield item
 
 
+def warmup(seconds: float, rate: float, seed: int) -> tuple[list[Request], list[float]]:
+    """Requests and evenly spaced send times for a warm-up before a router's first stage:
+    ``seconds * rate`` prompts of 2,304 tokens (a shared-prefix request's size) cached
+    nowhere and sharing no prefix with any workload's (their own word salad, from a seed of
+    their own), 32 output tokens each. They give a learning router every replica's speed
+    without warming the measured prompts' caches: the first stage's cold prompts stay cold."""
+    rng = random.Random(f"warmup/{seed}")
+    count = max(1, round(seconds * rate))
+    requests = [
+        Request(
+            "/v1/completions",
+            _body(model=MODEL, prompt=f"warm-up {i}: {text(rng, 2300)}", max_tokens=32),
+        )
+        for i in range(count)
+    ]
+    return requests, [i / rate for i in range(count)]
+
+
 Workload = SharedPrefix | MultiTurn | LoraMix | Mixed
 WORKLOADS: dict[str, type[Workload]] = {
     "shared-prefix": SharedPrefix,
