@@ -14,9 +14,10 @@ is its handler without the servicer's loop around it), so the floor's column is 
 picker's Python costs per request and the no-op's what the loop and answers cost without a
 decision.
 
-Usage: ``python -m benchmarks.handler_cpu [--requests 5000] [--repeat 5]
+Usage: ``python -m benchmarks.handler_cpu [--requests 5000] [--repeat 5] [--streams 1]
 [--before OTHER_WORKTREE]``; ``--before`` runs the same script with that worktree's interpreter
-(its own epp) and prints both. The minimum over ``--repeat`` passes is shown (the least
+(its own epp) and prints both. ``--streams 32`` keeps 32 of epp's requests open at once with
+their messages interleaved, as the server sees them at concurrency 32. The minimum over ``--repeat`` passes is shown (the least
 disturbed by other processes).
 """
 
@@ -119,21 +120,27 @@ def messages(i: int, body: bytes, mode: str) -> Request:
     ]
 
 
-def drive(router: Router, batch: list[Request]) -> None:
+def drive(router: Router, batch: list[Request], streams: int = 1) -> None:
     """The servicer's loop: each message handled, its bookkeeping settled after the answers;
-    at the stream's end settled, closed and released."""
-    for request in batch:
-        handler = StreamHandler(router)
-        for message in request:
-            if message.HasField("response_headers") and handler.ticket is not None:
-                served = handler.ticket.endpoint.encode()
-                message.response_headers.headers.headers.add(key=SERVED, raw_value=served)
-            handler.handle(message)
+    at the stream's end settled, closed and released. With ``streams`` > 1, that many requests
+    are open at once and their messages interleave one by one, as a server at that concurrency
+    sees them (each stream's working set then competes for the caches with the others')."""
+    for start in range(0, len(batch), streams):
+        group = batch[start : start + streams]
+        handlers = [StreamHandler(router) for _ in group]
+        for step in range(len(group[0])):
+            for handler, request in zip(handlers, group, strict=True):
+                message = request[step]
+                if message.HasField("response_headers") and handler.ticket is not None:
+                    served = handler.ticket.endpoint.encode()
+                    message.response_headers.headers.headers.add(key=SERVED, raw_value=served)
+                handler.handle(message)
+                handler.settle()
+        for handler in handlers:
             handler.settle()
-        handler.settle()
-        handler.close()
-        if handler.ticket is not None:
-            router.finish(handler.ticket)
+            handler.close()
+            if handler.ticket is not None:
+                router.finish(handler.ticket)
 
 
 def _body(size: str) -> bytes:
@@ -156,8 +163,8 @@ async def _best(size: str, mode: str, requests: int, repeat: int, run: Driver) -
     return best
 
 
-async def measure(size: str, mode: str, requests: int, repeat: int) -> float:
-    """epp's handler: minimum CPU µs per request."""
+async def measure(size: str, mode: str, requests: int, repeat: int, streams: int = 1) -> float:
+    """epp's handler: minimum CPU µs per request, ``streams`` requests open at once."""
     config = parse_config(
         {
             "models": {"tiny": {"pools": ["main"]}},
@@ -173,7 +180,7 @@ async def measure(size: str, mode: str, requests: int, repeat: int) -> float:
     router = Router(config, FleetState(store))
 
     async def run(batch: list[Request]) -> None:
-        drive(router, batch)
+        drive(router, batch, streams)
 
     return await _best(size, mode, requests, repeat, run)
 
@@ -209,13 +216,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--size", action="append", choices=list(SIZES), help="default: all")
     parser.add_argument("--mode", action="append", choices=list(MODES), help="default: both")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="epp's requests open at once, their messages interleaved (default 1: one at a time)",
+    )
     parser.add_argument("--before", help="another worktree (bootstrapped): its epp measured too")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
     args = parser.parse_args()
     sizes = args.size or list(SIZES)
     modes = args.mode or list(MODES)
     ours = {
-        f"{mode} {size}": asyncio.run(measure(size, mode, args.requests, args.repeat))
+        f"{mode} {size}": asyncio.run(measure(size, mode, args.requests, args.repeat, args.streams))
         for mode in modes
         for size in sizes
     }
@@ -234,6 +247,7 @@ def main() -> None:
     if args.before:
         argv = [str(Path(args.before) / ".venv" / "bin" / "python"), "-P", __file__, "--json"]
         argv += ["--requests", str(args.requests), "--repeat", str(args.repeat)]
+        argv += ["--streams", str(args.streams)]
         argv += [f"--size={s}" for s in sizes] + [f"--mode={m}" for m in modes]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         before = json.loads(out.splitlines()[-1])
