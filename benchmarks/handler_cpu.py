@@ -17,8 +17,8 @@ decision.
 Usage: ``python -m benchmarks.handler_cpu [--requests 5000] [--repeat 5] [--streams 1]
 [--before OTHER_WORKTREE]``; ``--before`` runs the same script with that worktree's interpreter
 (its own epp) and prints both. ``--streams 32`` keeps 32 of epp's requests open at once with
-their messages interleaved, as the server sees them at concurrency 32. The minimum over ``--repeat`` passes is shown (the least
-disturbed by other processes).
+their messages interleaved, as the server sees them at concurrency 32. The minimum over
+``--repeat`` passes is shown (the least disturbed by other processes).
 """
 
 from __future__ import annotations
