@@ -426,10 +426,12 @@ def build_trace(block_size: int = 32) -> list[Phase]:
         ),
         Phase(
             "usage_two_sharing_480",
-            # 480 tokens (~2 s of decode on the CPU model, not 0.5 s): the /metrics sampler must
-            # see both running even when a loaded machine slows each scrape to hundreds of ms
-            # (with 120 tokens, a run beside busy cores never saw them running).
-            [Req(p, max_tokens=480) for p in usage],
+            # 1,200 tokens (~5 s of decode on the CPU model): the /metrics sampler must see both
+            # running even when vLLM's busy engine slows each scrape to hundreds of ms. With 120
+            # tokens a run beside busy cores never saw them running; with 480 (~2 s) a CI run
+            # got 4 scrapes in the whole phase and none while both ran. The blocks still fit:
+            # 15 shared + 2 x ~38 own of 127, no preemption.
+            [Req(p, max_tokens=1200) for p in usage],
             concurrent=True,
             timing_dependent=True,
             sample_metrics=True,
