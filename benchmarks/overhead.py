@@ -542,7 +542,12 @@ Run = tuple[float, float, float, int, float]
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time process ``pid`` has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+
+
+def stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds of a /proc ``stat`` line (a process's or one thread's)."""
+    fields = stat.rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

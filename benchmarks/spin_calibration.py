@@ -37,6 +37,7 @@ from benchmarks.overhead import (
     cpu_seconds,
     pool_config,
     start_setup,
+    stat_cpu_seconds,
     wrk,
 )
 from epp.devstack import Proc, free_port
@@ -47,7 +48,6 @@ CONCURRENCY = 32
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) per thread name of process ``pid``, threads of one name
     summed."""
-    tick = os.sysconf("SC_CLK_TCK")
     spent: dict[str, float] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -55,8 +55,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rpartition(")")[2].split()
-        spent[name] = spent.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        spent[name] = spent.get(name, 0.0) + stat_cpu_seconds(stat)
     return spent
 
 
