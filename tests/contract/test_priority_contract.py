@@ -24,6 +24,10 @@ and a 96-block KV cache (and the two simulator replicas again): a low-priority r
 admitted, then a high-priority one of the same length; when a running request needs a block
 and none is free, the victim must be the lowest-priority running request (the one admitted
 first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
+The finish order is the engine's too: the KV-event message that stored each request's last
+full block (its blocks are followed from the prompt through `parent_block_hash`). Client-side
+last-token times are only shown: once in CI vLLM's API server delivered both streams' last
+tokens 4 ms apart although the engine had run the victim ~480 tokens after the other.
 
 Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s)
 while the queue fills in well under a second, and the scenario fails loudly if it finished
@@ -48,6 +52,7 @@ import pytest
 from calibrate import (
     SEED,
     EventCollector,
+    EventMessage,
     Target,
     metrics,
     random_tokens,
@@ -262,12 +267,40 @@ class PressureResult:
     target: str
     streams: dict[str, Stream]
     preemptions: float
+    # The KV-event message (seq) that stored each request's last full block.
+    last_stored: dict[str, int]
 
     def finish_order(self) -> list[str]:
-        return sorted(self.streams, key=lambda n: self.streams[n].last)
+        return sorted(self.last_stored, key=lambda n: self.last_stored[n])
 
     def table(self) -> str:
-        return _table(self.target, self.streams) + f"\n  preemptions {self.preemptions:.0f}"
+        return (
+            _table(self.target, self.streams)
+            + f"\n  preemptions {self.preemptions:.0f}  last block stored (event seq) "
+            + ", ".join(f"{n} {s}" for n, s in sorted(self.last_stored.items()))
+        )
+
+
+def last_block_stored(
+    prompts: dict[str, list[int]], messages: list[EventMessage]
+) -> dict[str, int]:
+    """For each request, the seq of the message that stored the last block of its chain: its
+    prompt's blocks, then every stored run whose parent is already in the chain (decoded
+    tokens fill blocks that extend the prompt's). A recomputed block is stored again under
+    the same hash, so a preempted request's chain continues where it was cut."""
+    chains = {name: set(hash_blocks(p, BLOCK_SIZE)) for name, p in prompts.items()}
+    last: dict[str, int] = {}
+    for m in sorted(messages, key=lambda m: m.seq):
+        for e in m.events:
+            if e["type"] != "BlockStored":
+                continue
+            for name, chain in chains.items():
+                if e["parent_block_hash"] in chain or chain.intersection(e["block_hashes"]):
+                    chain.update(e["block_hashes"])
+                    last[name] = m.seq
+    missing = set(prompts) - set(last)
+    assert not missing, f"no block stored for {sorted(missing)}"
+    return last
 
 
 def run_kv_pressure(target: Target) -> PressureResult:
@@ -276,6 +309,7 @@ def run_kv_pressure(target: Target) -> PressureResult:
     rng = random.Random(SEED + 1)
     prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (LOW, HIGH)}
     before = wait_idle(target)
+    events = EventCollector(target.kv_events_endpoint, target.kv_topic)
     with ThreadPoolExecutor(2) as pool:
         low = pool.submit(_stream, target, LOW, prompts[LOW.name])
         _until(target, lambda m: m.running == 1, "the low-priority request running")
@@ -289,7 +323,15 @@ def run_kv_pressure(target: Target) -> PressureResult:
         )
         streams = {LOW.name: low.result(timeout=300), HIGH.name: high.result(timeout=300)}
     after = wait_idle(target)
-    return PressureResult(target.name, streams, after.preemptions - before.preemptions)
+    time.sleep(0.4)  # vLLM publishes after the step, from its own thread
+    messages = events.take()
+    events.close()
+    return PressureResult(
+        target.name,
+        streams,
+        after.preemptions - before.preemptions,
+        last_block_stored(prompts, messages),
+    )
 
 
 @pytest.fixture(scope="module")
