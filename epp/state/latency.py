@@ -76,11 +76,11 @@ REFERENCE_TOKENS = 2000.0
 # favourite for every cold prompt.
 SPEED_BAND = 1.25
 # ... and its learned time for the reference request must differ from the median endpoint's by
-# at least this many standard errors of that time (speeds): on equal replicas past saturation the TTFTs are
-# mostly waiting for KV the features do not see, the prefill slope is not identified, and the
-# capacities scattered 0.4-20 (clamped) across the fleet within a minute at multi-turn 24 req/s
-# (docs/learned-latency-bench.md, top section); their errors are as wide, while a 2x fleet
-# below saturation tells its speeds apart by many standard errors.
+# at least this many standard errors of that time (speeds): on equal replicas past saturation
+# the TTFTs are mostly waiting for KV the features do not see, the prefill slope is not
+# identified, and the capacities scattered 0.4-20 (clamped) across the fleet within a minute at
+# multi-turn 24 req/s (docs/learned-latency-bench.md, top section); their errors are as wide,
+# while a 2x fleet below saturation tells its speeds apart by many standard errors.
 SPEED_Z = 2.0
 
 
