@@ -34,7 +34,7 @@ Prefill work is divided by the endpoint's compute speed: its configured capacity
 when that differs from the fleet's median beyond noise
 (:meth:`~epp.state.latency.LatencyModel.speeds`). On a fleet mixing GPU
 generations a prompt cached nowhere then goes to an idle fast replica rather than an idle slow
-one, which the token count alone cannot tell apart; on equal replicas nothing changes. Only this
+one, which the token count alone cannot tell apart; equal replicas mostly learn no speed. Only this
 estimate, compute, is scaled: load and cache scorers keep counting tokens, because a fast
 replica's KV cache is no larger than a slow one's (docs/learned-latency.md).
 
@@ -68,8 +68,8 @@ class TtftParams(Params):
     against an endpoint relative to this request's own prefill. ``tokens_per_request``: the
     size of a scraped waiting request; ``slack_tokens``: the score's slack.
     ``learned_speed``: divide by the learned speed where no weight is configured (true, the
-    default; false: every unweighted endpoint counts as capacity 1). Equal replicas learn no
-    speed (:meth:`~epp.state.latency.LatencyModel.speeds`), so there it changes nothing."""
+    default; false: every unweighted endpoint counts as capacity 1). Equal replicas mostly
+    learn no speed (:meth:`~epp.state.latency.LatencyModel.speeds`; docs/learned-latency.md)."""
 
     tokens_per_request: int = param(512, ge=1)
     slack_tokens: int = param(64, ge=1)
