@@ -33,11 +33,10 @@ from typing import Any
 
 from benchmarks import routing
 from benchmarks.report import Row, median_rows, progress_line
-from benchmarks.routers import PROFILES_DIR, EppProfile, FleetStack, Router, all_routers
+from benchmarks.routers import EppProfile, FleetStack, Router, named_routers
 from benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
-LEARNED_PROFILES = PROFILES_DIR / "learned"
 SPEEDS = "1,0.5,1,0.5,1,0.5,1,0.5"
 DEFAULT_ROUTERS = [
     "round-robin",
@@ -117,16 +116,6 @@ class Result:
     repeat: int = 1
 
 
-def routers(names: Sequence[str]) -> list[Router]:
-    known: dict[str, Router] = {r.name: r for r in all_routers()}
-    for path in sorted(LEARNED_PROFILES.glob("*.yaml")):
-        known[path.stem] = EppProfile(path.stem, LEARNED_PROFILES)
-    missing = [n for n in names if n not in known]
-    if missing:
-        sys.exit(f"unknown routers: {', '.join(missing)} (known: {', '.join(sorted(known))})")
-    return [known[n] for n in names]
-
-
 def read_learned(stack: FleetStack, row: Row, speeds: Sequence[float]) -> Learned:
     metrics = stack.epp_ports[0][2]
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/debug/endpoints", timeout=5) as r:
@@ -165,7 +154,7 @@ def run(args: Any, names: Sequence[str], command: str) -> Result:
     )
     print("\n".join(result.setup), flush=True)
     chosen = []
-    for router in routers(names):
+    for router in named_routers(names):
         why = router.unavailable()
         if why:
             print(f"  {router.name}: unavailable: {why}", flush=True)

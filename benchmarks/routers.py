@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -418,3 +418,19 @@ def all_routers() -> list[Router]:
         ),
         Peer("vllm-router", [str(vllm / "vllm-router")], ["--log-level", "warning"]),
     ]
+
+
+LEARNED_PROFILES = PROFILES_DIR / "learned"
+
+
+def named_routers(names: Sequence[str]) -> list[Router]:
+    """The routers called ``names``, in that order: :func:`all_routers` plus one epp router per
+    profile under ``benchmarks/profiles/learned/`` (benchmark-only variants: candidates and
+    former defaults kept for comparisons). Exits naming the unknown ones."""
+    known: dict[str, Router] = {r.name: r for r in all_routers()}
+    for path in sorted(LEARNED_PROFILES.glob("*.yaml")):
+        known.setdefault(path.stem, EppProfile(path.stem, LEARNED_PROFILES))
+    missing = [n for n in names if n not in known]
+    if missing:
+        sys.exit(f"unknown routers: {', '.join(missing)} (known: {', '.join(sorted(known))})")
+    return [known[n] for n in names]

@@ -47,7 +47,7 @@ from benchmarks.report import (
     save_run,
     text_table,
 )
-from benchmarks.routers import Fleet, FleetStack, Router, all_routers
+from benchmarks.routers import Fleet, FleetStack, Router, all_routers, named_routers
 from benchmarks.trace import sum_samples, traced
 from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload, warmup
 
@@ -409,7 +409,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: one short stage of shared-prefix"
     )
-    parser.add_argument("--routers", help="comma list of router names (default: all)")
+    parser.add_argument(
+        "--routers",
+        help=(
+            "comma list of router names, run in this order; profiles under "
+            "benchmarks/profiles/learned/ too (default: benchmarks/profiles/ and the peers)"
+        ),
+    )
     parser.add_argument("--workloads", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rates", help="comma list of req/s for every workload (overrides)")
     parser.add_argument("--duration", type=float, help="seconds per stage (default 12, quick 6)")
@@ -483,13 +489,7 @@ def run(args: argparse.Namespace, command: str) -> Run:
     names = args.workloads.split(",") if args.workloads else None
     names = names or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     workloads = [WORKLOADS[n](seed=args.seed) for n in names]
-    routers = all_routers()
-    if args.routers:
-        wanted = args.routers.split(",")
-        routers = [r for r in routers if r.name in wanted]
-        unknown = set(wanted) - {r.name for r in routers}
-        if unknown:
-            sys.exit(f"unknown routers: {', '.join(sorted(unknown))}")
+    routers = named_routers(args.routers.split(",")) if args.routers else all_routers()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="epp-routing-"))
     fleet = make_fleet(args, workloads[0])
     result = Run(

@@ -116,7 +116,7 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
     {"plugin": "session-affinity-scorer", "weight": 3},
     {"plugin": "lora-affinity-scorer", "weight": 1},
     {"plugin": "inflight-load-scorer", "weight": 3},
-    {"plugin": "ttft-scorer", "weight": 2},
+    {"plugin": "ttft-scorer", "weight": 4},
     {"plugin": "max-score-picker"},
 ]
 

@@ -75,6 +75,13 @@ REFERENCE_TOKENS = 2000.0
 # reading that scatter as speed would make the replica that happened to look fastest the
 # favourite for every cold prompt.
 SPEED_BAND = 1.25
+# ... and its learned time for the reference request must differ from the median endpoint's by
+# at least this many standard errors of that time (speeds): on equal replicas past saturation
+# the TTFTs are mostly waiting for KV the features do not see, the prefill slope is not
+# identified, and the capacities scattered 0.4-20 (clamped) across the fleet within a minute at
+# multi-turn 24 req/s (docs/learned-latency-bench.md, top section); their errors are as wide,
+# while a 2x fleet below saturation tells its speeds apart by many standard errors.
+SPEED_Z = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,9 @@ class Stats:
     # scale relative_weight measures observations against.
     count: float = 0.0
     y_sum: float = 0.0
+    # Decayed weighted sum of squared observations (``y'Wy``): with ``X'X`` and ``X'y`` it
+    # gives the fit's residual sum of squares (standard_error).
+    yy: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.xx:
@@ -125,6 +135,7 @@ class Stats:
             self.weight *= factor
             self.count *= factor
             self.y_sum *= factor
+            self.yy *= factor
         self.as_of = now
 
     def add(
@@ -144,6 +155,7 @@ class Stats:
         self.weight = total
         self.count += robust
         self.y_sum += robust * y
+        self.yy += weight * y * y
 
     def copy(self) -> Stats:
         return Stats(
@@ -155,6 +167,7 @@ class Stats:
             self.as_of,
             self.count,
             self.y_sum,
+            self.yy,
         )
 
     def plus(self, other: Stats) -> Stats:
@@ -176,24 +189,25 @@ class Stats:
             now,
             a.count + b.count,
             a.y_sum + b.y_sum,
+            a.yy + b.yy,
         )
 
     def encode(self) -> list[float]:
-        head = [self.as_of, self.weight, self.abs_residual, self.count, self.y_sum]
+        head = [self.as_of, self.weight, self.abs_residual, self.count, self.y_sum, self.yy]
         return [*head, *self.xx, *self.xy]
 
     @classmethod
     def decode(cls, dims: int, values: Sequence[float]) -> Stats:
-        head = 5
+        head = 6
         if len(values) != head + dims * dims + dims:
             raise ValueError(f"expected {head + dims * dims + dims} numbers, got {len(values)}")
-        as_of, weight, residual, count, y_sum = (float(v) for v in values[:head])
+        as_of, weight, residual, count, y_sum, yy = (float(v) for v in values[:head])
         xx = [float(v) for v in values[head : head + dims * dims]]
         xy = [float(v) for v in values[head + dims * dims :]]
-        numbers = (as_of, weight, residual, count, y_sum, *xx, *xy)
+        numbers = (as_of, weight, residual, count, y_sum, yy, *xx, *xy)
         if not all(math.isfinite(v) for v in numbers):
             raise ValueError("non-finite statistics")
-        return cls(dims, xx, xy, weight, residual, as_of, count, y_sum)
+        return cls(dims, xx, xy, weight, residual, as_of, count, y_sum, yy)
 
 
 def fit(stats: Stats, prior: Sequence[float]) -> tuple[float, ...]:
@@ -213,10 +227,25 @@ def fit(stats: Stats, prior: Sequence[float]) -> tuple[float, ...]:
 
 def _solve(stats: Stats, prior: Sequence[float], free: Sequence[int]) -> list[float]:
     n = stats.dims
-    m = len(free)
     # (X'X + s I) beta = X'y + s prior, over the free coefficients (pinned ones are 0).
-    a = [[stats.xx[i * n + j] + (PRIOR_STRENGTH if i == j else 0.0) for j in free] for i in free]
     b = [stats.xy[i] + PRIOR_STRENGTH * prior[i] for i in free]
+    solution = _gauss(_normal_matrix(stats, free), b)
+    out = [0.0] * n
+    for i, value in zip(free, solution, strict=True):
+        out[i] = value
+    return out
+
+
+def _normal_matrix(stats: Stats, free: Sequence[int]) -> list[list[float]]:
+    """``X'X + s I`` over the ``free`` coefficients: the ridge fit's normal equations."""
+    n = stats.dims
+    return [[stats.xx[i * n + j] + (PRIOR_STRENGTH if i == j else 0.0) for j in free] for i in free]
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
+    """The solution of ``a x = b`` (Gaussian elimination with partial pivoting; ``a`` and
+    ``b`` are overwritten). ``a`` is ``X'X`` plus the ridge prior: positive definite."""
+    m = len(b)
     for col in range(m):
         pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
         a[col], a[pivot] = a[pivot], a[col]
@@ -231,10 +260,7 @@ def _solve(stats: Stats, prior: Sequence[float], free: Sequence[int]) -> list[fl
     solution = [0.0] * m
     for r in range(m - 1, -1, -1):
         solution[r] = (b[r] - sum(a[r][k] * solution[k] for k in range(r + 1, m))) / a[r][r]
-    out = [0.0] * n
-    for i, value in zip(free, solution, strict=True):
-        out[i] = value
-    return out
+    return solution
 
 
 def relative_weight(stats: Stats, y: float) -> float:
@@ -260,6 +286,24 @@ def relative_weight(stats: Stats, y: float) -> float:
 
 def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
     return sum(c * v for c, v in zip(coef, x, strict=True))
+
+
+def standard_error(stats: Stats, coef: Sequence[float], x: Sequence[float]) -> float:
+    """The standard error of the fit ``coef`` at features ``x``: ``sigma * sqrt(x' (X'X + s
+    I)^-1 x)``, ``sigma**2`` the weighted residual sum of squares (from the sufficient
+    statistics: ``y'Wy - 2 b'X'Wy + b'X'WXb``) over the observations' count less the
+    coefficients. 0 before ``ROBUST_AFTER`` observations' weight, as for the outlier test (the
+    scale needs a few): one cold prefill per endpoint must still tell a 2x fleet apart in its
+    first seconds."""
+    n = stats.dims
+    if stats.weight < ROBUST_AFTER or stats.count <= n:
+        return 0.0
+    fitted = sum(
+        coef[i] * stats.xx[i * n + j] * coef[j] for i in range(n) for j in range(n)
+    ) - 2.0 * _dot(coef, stats.xy)
+    sigma2 = max(0.0, stats.yy + fitted) / (stats.count - n)
+    inverse_x = _gauss(_normal_matrix(stats, range(n)), list(x))
+    return math.sqrt(sigma2 * max(0.0, _dot(x, inverse_x)))
 
 
 @dataclass(slots=True)
@@ -343,7 +387,7 @@ class LatencyModel:
         self._weights: Mapping[str, float] = {}
         self._capacities: dict[str, float] = {}
         self._capacities_at = -math.inf
-        self._speeds: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
+        self._speeds: dict[str, float] = {}
 
     def configure(self, weights: Mapping[str, float], endpoints: Iterable[str]) -> None:
         """Apply configured weights; forget endpoints that left."""
@@ -416,35 +460,43 @@ class LatencyModel:
         (one cold prefill moves the prefill rate most of the way from the prior, and the fleet's
         first seconds are when cold prefills are placed); recomputed at most every
         ``REFIT_S``."""
-        if now - self._capacities_at < REFIT_S:
-            return self._capacities
-        reference = (1.0, REFERENCE_TOKENS / TOKENS_UNIT, 0.0, 0.0)
-        times = {
-            address: _dot(state.ttft.coefficients(now), reference)
-            for address, state in self._endpoints.items()
-            if state.ttft.combined(now).count >= 0.5
-        }
-        out: dict[str, float] = {}
-        if len(times) >= 2:
-            middle = statistics.median(times.values())
-            low, high = CAPACITY_RANGE
-            for address, seconds in times.items():
-                out[address] = min(high, max(low, middle / seconds)) if seconds > 0 else high
-        self._capacities = out
-        self._capacities_at = now
-        return out
+        self._refresh(now)
+        return self._capacities
 
     def speeds(self, now: float) -> Mapping[str, float]:
-        """The learned capacities that differ from the median endpoint's beyond noise
-        (outside ``1 / SPEED_BAND .. SPEED_BAND``): the compute speeds the TTFT estimate
-        divides prefill work by when no weight is configured. Equal replicas get none (all
-        count as 1.0), so their picks are what they were without a model."""
-        capacities = self.capacities(now)
-        last, speeds = self._speeds
-        if capacities is not last:
-            speeds = {a: c for a, c in capacities.items() if not 1 / SPEED_BAND < c < SPEED_BAND}
-            self._speeds = (capacities, speeds)
-        return speeds
+        """The learned capacities that differ from the median endpoint's beyond noise: outside
+        ``1 / SPEED_BAND .. SPEED_BAND`` with ``SPEED_Z`` standard errors of the endpoint's
+        reference time to spare. The compute speeds the TTFT estimate divides prefill work by
+        when no weight is configured. Equal replicas get none (all count as 1.0), so their
+        picks are what they were without a model."""
+        self._refresh(now)
+        return self._speeds
+
+    def _refresh(self, now: float) -> None:
+        if now - self._capacities_at < REFIT_S:
+            return
+        reference = (1.0, REFERENCE_TOKENS / TOKENS_UNIT, 0.0, 0.0)
+        times: dict[str, tuple[float, float]] = {}
+        for address, state in self._endpoints.items():
+            stats = state.ttft.combined(now)
+            if stats.count >= 0.5:
+                coef = state.ttft.coefficients(now)
+                seconds = _dot(coef, reference)
+                times[address] = (seconds, standard_error(stats, coef, reference))
+        capacities: dict[str, float] = {}
+        speeds: dict[str, float] = {}
+        if len(times) >= 2:
+            middle = statistics.median(seconds for seconds, _ in times.values())
+            low, high = CAPACITY_RANGE
+            for address, (seconds, error) in times.items():
+                capacity = min(high, max(low, middle / seconds)) if seconds > 0 else high
+                capacities[address] = capacity
+                outside = not 1 / SPEED_BAND < capacity < SPEED_BAND
+                if outside and abs(seconds - middle) >= SPEED_Z * error:
+                    speeds[address] = capacity
+        self._capacities = capacities
+        self._speeds = speeds
+        self._capacities_at = now
 
     def describe(self, address: str, now: float) -> dict[str, Any] | None:
         """What ``/debug/endpoints`` shows: the fitted rates, the evidence, the error."""
@@ -468,6 +520,7 @@ class LatencyModel:
             "ttft_samples": state.samples,
             "ttft_median_abs_error": round(statistics.median(errors), 4) if errors else None,
             "capacity": self.capacities(now).get(address),
+            "speed": self.speeds(now).get(address),
         }
 
     def errors(self, address: str) -> list[tuple[float, float]]:

@@ -37,7 +37,7 @@ def test_defaults_and_model_resolution() -> None:
         "session-affinity-scorer": 3.0,
         "lora-affinity-scorer": 1.0,
         "inflight-load-scorer": 3.0,
-        "ttft-scorer": 2.0,
+        "ttft-scorer": 4.0,
     }
     assert isinstance(profile.picker, MaxScorePicker)
 

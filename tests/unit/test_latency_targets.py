@@ -7,7 +7,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from epp.config import DEFAULT_PROFILE, ConfigError, parse_config
+from epp.config import ConfigError, parse_config
 from epp.errors import RequestError
 from epp.request import LatencyTarget
 from epp.router import Router
@@ -188,30 +188,13 @@ def test_objective_targets_are_validated_at_load() -> None:
     assert "tpot_ms" in str(refused.value)
 
 
-# The default profile with the ttft-scorer's learned speeds turned on.
-LEARNED_SPEED_PROFILE = {
-    "profile": "learned-speed",
-    "plugins": [{"name": "ttft", "type": "ttft-scorer", "parameters": {"learned_speed": True}}],
-    "profiles": {
-        "learned-speed": [
-            {**step, "plugin": "ttft"} if step["plugin"] == "ttft-scorer" else step
-            for step in DEFAULT_PROFILE
-        ]
-    },
-}
-
-
-async def capacity_router(
-    learned: bool, slow_weight: float | None = None, learned_speed: bool = False
-) -> Router:
+async def capacity_router(learned: bool, slow_weight: float | None = None) -> Router:
     slow: object = SLOW if slow_weight is None else {"address": SLOW, "weight": slow_weight}
     raw: dict[str, object] = {
         "models": {"tiny": {"pools": ["main"]}},
         "pools": {"main": {"endpoints": [FAST, slow]}},
         "routing": {"learned_capacity": learned},
     }
-    if learned_speed:
-        raw["scheduling"] = LEARNED_SPEED_PROFILE
     config = parse_config(raw)
     store = MemoryStore()
     for address in (FAST, SLOW):
@@ -224,11 +207,11 @@ async def capacity_router(
 
 
 async def test_learned_speed_sends_cold_prompts_to_the_faster_replica_without_weights() -> None:
-    """routing.learned_capacity off (the default), no weights, the ttft-scorer's
+    """The default configuration: routing.learned_capacity off, no weights, the ttft-scorer's
     ``learned_speed`` on: the TTFT estimate divides prefill by the learned speeds, so prompts
     cached nowhere go to FAST, one at a time (each finished before the next: equal loads;
     eight, which a coin would all send to FAST once in 256)."""
-    router = await capacity_router(learned=False, learned_speed=True)
+    router = await capacity_router(learned=False)
     for i in range(8):
         decision, ticket = router.route(req(f"{i} " + "x" * 4000, model="tiny"))
         assert decision.endpoints[0].address == FAST

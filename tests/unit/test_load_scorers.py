@@ -169,12 +169,13 @@ def test_ttft_sends_a_cold_prompt_to_the_replica_that_learned_to_prefill_faster(
     fleet = FleetState()
     learn(fleet, {"fast": 10_000, "slow": 5_000}, 100.0)
     cycle = Cycle(Snapshot(), fleet, now=100.0)
-    on = TtftScorer(TtftParams(learned_speed=True))
+    on = TtftScorer()  # learned_speed on: the default
     fast, slow = on.score(req(8000), [ep("fast"), ep("slow")], cycle)
     assert fast == 1.0
     assert slow == pytest.approx(0.5, abs=0.1)
-    # Off (the default), every unweighted endpoint counts as 1.
-    assert TtftScorer().score(req(8000), [ep("fast"), ep("slow")], cycle) == [1.0, 1.0]
+    # Off, every unweighted endpoint counts as 1; on is the default.
+    off = TtftScorer(TtftParams(learned_speed=False))
+    assert off.score(req(8000), [ep("fast"), ep("slow")], cycle) == [1.0, 1.0]
     # A configured weight overrides what was learned.
     weighted = Cycle(Snapshot(), fleet, weights={"slow": 4.0}, now=100.0)
     assert on.score(req(8000), [ep("fast"), ep("slow")], weighted)[1] == 1.0

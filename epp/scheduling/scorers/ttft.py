@@ -30,11 +30,11 @@ overflow there costs less than recomputing the history elsewhere, and a short re
 replica a hot prefix has filled (a fraction-of-cache penalty cannot tell the two apart).
 
 Prefill work is divided by the endpoint's compute speed: its configured capacity weight, else
-(with ``learned_speed``, off by default) the speed the latency model learned from its responses
+(``learned_speed``, on by default) the speed the latency model learned from its responses
 when that differs from the fleet's median beyond noise
 (:meth:`~epp.state.latency.LatencyModel.speeds`). On a fleet mixing GPU
 generations a prompt cached nowhere then goes to an idle fast replica rather than an idle slow
-one, which the token count alone cannot tell apart; on equal replicas nothing changes. Only this
+one, which the token count alone cannot tell apart; equal replicas mostly learn no speed. Only this
 estimate, compute, is scaled: load and cache scorers keep counting tokens, because a fast
 replica's KV cache is no larger than a slow one's (docs/learned-latency.md).
 
@@ -67,16 +67,16 @@ class TtftParams(Params):
     cache a few seconds of decoding fills. ``queue_weight``: how much queued work counts
     against an endpoint relative to this request's own prefill. ``tokens_per_request``: the
     size of a scraped waiting request; ``slack_tokens``: the score's slack.
-    ``learned_speed``: divide by the learned speed where no weight is configured (false, the
-    default: every unweighted endpoint counts as capacity 1; why it is off:
-    docs/learned-latency.md)."""
+    ``learned_speed``: divide by the learned speed where no weight is configured (true, the
+    default; false: every unweighted endpoint counts as capacity 1). Equal replicas mostly
+    learn no speed (:meth:`~epp.state.latency.LatencyModel.speeds`; docs/learned-latency.md)."""
 
     tokens_per_request: int = param(512, ge=1)
     slack_tokens: int = param(64, ge=1)
     queue_weight: float = param(1.0, ge=0)
     prefill_tokens_per_second: float = param(10_000.0, gt=0)
     kv_wait_factor: float = param(1.0, ge=0)
-    learned_speed: bool = param(False)
+    learned_speed: bool = param(True)
 
 
 @register("ttft-scorer")
