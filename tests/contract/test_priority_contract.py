@@ -140,6 +140,18 @@ def _table(target: str, streams: dict[str, Stream]) -> str:
     )
 
 
+def idle_then_events(
+    target: Target, events: EventCollector
+) -> tuple[EndpointMetrics, list[EventMessage]]:
+    """Once ``target`` is idle: its metrics and every KV event of the scenario (the collector
+    is closed). vLLM publishes a step's events after the step, from its own thread."""
+    after = wait_idle(target)
+    time.sleep(0.4)
+    messages = events.take()
+    events.close()
+    return after, messages
+
+
 @dataclass(frozen=True)
 class ScenarioResult:
     target: str
@@ -178,10 +190,7 @@ def run_scenario(target: Target) -> ScenarioResult:
                 "scenario tests nothing (raise RUNNING.max_tokens)"
             )
         streams = {name: f.result(timeout=180) for name, f in futures.items()}
-    after = wait_idle(target)
-    time.sleep(0.4)  # vLLM publishes after the step, from its own thread
-    messages = events.take()
-    events.close()
+    after, messages = idle_then_events(target, events)
     first_blocks = {hash_blocks(prompts[j.name], BLOCK_SIZE)[0]: j.name for j in QUEUED}
     queued_blocks = {h for j in QUEUED for h in hash_blocks(prompts[j.name], BLOCK_SIZE)}
     stored_at: dict[str, int] = {}
@@ -322,10 +331,7 @@ def run_kv_pressure(target: Target) -> PressureResult:
             "both requests running, a preemption or the high-priority request's end",
         )
         streams = {LOW.name: low.result(timeout=300), HIGH.name: high.result(timeout=300)}
-    after = wait_idle(target)
-    time.sleep(0.4)  # vLLM publishes after the step, from its own thread
-    messages = events.take()
-    events.close()
+    after, messages = idle_then_events(target, events)
     return PressureResult(
         target.name,
         streams,
