@@ -14,6 +14,7 @@ separator declared once below, so they cannot drift apart or from the engine's.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -222,8 +223,11 @@ class InferenceRequest:
         return max(0, self.prompt_tokens() - cached) + self.output_tokens()
 
 
+@functools.lru_cache(maxsize=256)
 def api_for_path(path: str) -> Api | None:
-    """The OpenAI API a path addresses, judged by suffix so ``/openai/v1/...`` prefixes work."""
+    """The OpenAI API a path addresses, judged by suffix so ``/openai/v1/...`` prefixes work.
+    Cached: asked twice a request (headers, body) of the few paths clients use; a bounded
+    cache, as paths are the client's to choose."""
     path = path.split("?", 1)[0].rstrip("/")
     for suffix, api in _API_BY_SUFFIX:
         if path.endswith(suffix):
