@@ -14,6 +14,7 @@ separator declared once below, so they cannot drift apart or from the engine's.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -222,8 +223,11 @@ class InferenceRequest:
         return max(0, self.prompt_tokens() - cached) + self.output_tokens()
 
 
+@functools.lru_cache(maxsize=256)
 def api_for_path(path: str) -> Api | None:
-    """The OpenAI API a path addresses, judged by suffix so ``/openai/v1/...`` prefixes work."""
+    """The OpenAI API a path addresses, judged by suffix so ``/openai/v1/...`` prefixes work.
+    Cached: asked twice a request (headers, body) of the few paths clients use; a bounded
+    cache, as paths are the client's to choose."""
     path = path.split("?", 1)[0].rstrip("/")
     for suffix, api in _API_BY_SUFFIX:
         if path.endswith(suffix):
@@ -404,7 +408,11 @@ def _tally_strings(data: dict[str, Any]) -> tuple[int, int]:
 
 def _count(text: AnyStr, char: AnyStr) -> int:
     """``text.count(char)``, 30x faster when ``char`` is rare (a 200 KB prompt: 2 µs, not 64):
-    ``find`` runs memchr, ``count`` compares every byte; many hits fall back to ``count``."""
+    ``find`` runs memchr, ``count`` compares every byte; many hits fall back to ``count``.
+    Short texts (most keys and values, a 1 KB body) are counted at once: one C call costs less
+    than a Python loop over their few hits."""
+    if len(text) <= _COUNT_AT_ONCE:
+        return text.count(char)
     found = 0
     at = text.find(char)
     while at >= 0:
@@ -416,6 +424,8 @@ def _count(text: AnyStr, char: AnyStr) -> int:
 
 
 _FIND_LIMIT = 32
+# Up to this length ``count`` wins whatever the hits (~1 µs a KB against ~0.3 µs a hit).
+_COUNT_AT_ONCE = 2048
 
 
 def _decode_strict(body: bytes) -> dict[str, Any]:

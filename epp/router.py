@@ -108,6 +108,9 @@ class Router:
         self._models_body = _models_body(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
+        # Each model's pools and the share of an arrival each gets, settled per configuration
+        # (routed requests count their demand on every pick).
+        self._arrival_shares = {m: _shares(a, self._pools) for m, a in self._candidates.items()}
         self.settling.update(config.pools, config.discovery)
         self._overflow = {
             m: config.spillover.overflow_for(spec.pools) for m, spec in config.models.items()
@@ -147,7 +150,7 @@ class Router:
         ):
             # Demand counts on arrival, before any wait: requests held for a pool with no
             # ready replica are what must scale it from zero.
-            self._arrived(self._candidates[request.model])
+            self._arrived(None, request.model)
             try:
                 await self.flow.admit(request.model, request.priority, request.fairness_id)
             except BaseException:
@@ -279,7 +282,7 @@ class Router:
             snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
         ]
         if config.flow_control.mode != "queue":  # else counted by admit
-            self._arrived(addresses)
+            self._arrived(addresses if subset is not None else None, request.model)
         cycle = Cycle(snapshot, self.fleet, self._capacities(config))
         if config.flow_control.mode == "queue":
             candidates = self._with_room(candidates, request.priority < 0, cycle.now)
@@ -450,13 +453,16 @@ class Router:
         if known:
             chosen.append(min(known, key=lambda c: load(c.address).requests))
 
-    def _arrived(self, addresses: Sequence[str]) -> None:
-        """Count the request as demand on the pools of its candidate ``addresses``, whether
-        or not it can be served now: refused or held for lack of a ready replica, it is the
-        demand that should scale one up."""
-        pools = {self._pools[a] for a in addresses}
-        for pool in pools:
-            self.demand.arrived(pool, 1.0 / len(pools))
+    def _arrived(self, addresses: Sequence[str] | None, model: str) -> None:
+        """Count the request as demand on the pools of its candidate ``addresses`` (None: all
+        of ``model``'s), whether or not it can be served now: refused or held for lack of a
+        ready replica, it is the demand that should scale one up."""
+        if addresses is None:
+            shares = self._arrival_shares[model]
+        else:
+            shares = _shares(addresses, self._pools)
+        for pool, share in shares:
+            self.demand.arrived(pool, share)
 
     def served(self, endpoint: str, seconds: float) -> None:
         """A response from ``endpoint`` completed in ``seconds``: its pool's service rate."""
@@ -468,6 +474,12 @@ class Router:
         """The request's stream ended: its work no longer counts against the endpoint."""
         self.fleet.inflight.release(ticket)
         self.flow.wake()
+
+
+def _shares(addresses: Sequence[str], pools: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
+    """The pools of ``addresses``, each with an equal share of one arrival."""
+    names = {pools[a] for a in addresses}
+    return tuple((pool, 1.0 / len(names)) for pool in names)
 
 
 def _models_body(config: Config) -> bytes:

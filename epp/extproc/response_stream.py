@@ -29,6 +29,9 @@ from epp.wire import SERVED
 
 # A JSON body is parsed for its usage only up to this size; larger ones are passed unread.
 MAX_JSON_BYTES = 8 * 1024 * 1024
+# The response headers :meth:`ResponseObserver.on_headers` reads (the stream handler decodes
+# no other header's value).
+RESPONSE_HEADERS_READ = frozenset((SERVED, ":status", "content-length", "content-type"))
 
 
 @dataclass(slots=True)

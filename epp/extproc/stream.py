@@ -37,7 +37,7 @@ from epp.errors import RequestError
 from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
-from epp.extproc.response_stream import Outcome, ResponseObserver
+from epp.extproc.response_stream import RESPONSE_HEADERS_READ, Outcome, ResponseObserver
 from epp.observability import (
     MOVED,
     OBJECTIVE_REQUESTS,
@@ -234,7 +234,7 @@ class StreamHandler:
         return (responses.CONTINUE_REQUEST_TRAILERS,)
 
     def _on_response_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
-        headers = _read_headers(message.response_headers, {})
+        headers = _read_headers(message.response_headers, {}, RESPONSE_HEADERS_READ)
         observer = self._observer = ResponseObserver(self._started, self._strip_usage)
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
@@ -588,10 +588,16 @@ def _span_attributes(outcome: Outcome) -> dict[str, object]:
     return attributes
 
 
-def _read_headers(message: ext_proc_pb2.HttpHeaders, into: dict[str, str]) -> dict[str, str]:
+def _read_headers(
+    message: ext_proc_pb2.HttpHeaders, into: dict[str, str], only: frozenset[str] | None = None
+) -> dict[str, str]:
+    """The headers of ``message`` (``only``: just those, the others' values left unread)."""
     for h in message.headers.headers:
+        key = h.key
+        if only is not None and key not in only:
+            continue
         raw = h.raw_value  # each read copies the bytes out of the message
-        into[h.key] = raw.decode("utf-8", "replace") if raw else h.value
+        into[key] = raw.decode("utf-8", "replace") if raw else h.value
     return into
 
 

@@ -95,9 +95,12 @@ class PoolDemand:
         """A request of ``pool`` completed after ``seconds`` of service."""
         now = time.monotonic() if now is None else now
         state = self._pool(pool)
-        window = self.policy.window_seconds
-        state.completions.add(1.0, now, window)
-        state.busy.add(seconds, now, window)
+        completions, busy = state.completions, state.busy
+        # Both sums are only ever updated together, so they decay by the same factor: one exp.
+        factor = math.exp(-max(0.0, now - completions.at) / self.policy.window_seconds)
+        completions.value = completions.value * factor + 1.0
+        busy.value = busy.value * factor + seconds
+        completions.at = busy.at = now
 
     def forget(self, keep: set[str]) -> None:
         """Drop pools no longer configured (bounded label sets)."""

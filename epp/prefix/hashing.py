@@ -64,7 +64,7 @@ class BlockHasher:
 
     def hashes(self, request: InferenceRequest) -> list[int]:
         """The chained hashes of the request's leading full blocks (at most ``max_blocks``)."""
-        seed = xxh64_intdigest(f"{request.model}\x00{request.lora or ''}".encode())
+        seed = _seed(request.model, request.lora)
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids[: self.max_blocks * self.block_size]
             try:
@@ -86,6 +86,12 @@ class BlockHasher:
         return [
             h := xxh64_intdigest(block, h) for (block,) in _blocks(step).iter_unpack(data[:end])
         ]
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed(model: str, lora: str | None) -> int:
+    """The chain's seed for ``model`` and adapter (the configured ones: a bounded cache)."""
+    return xxh64_intdigest(f"{model}\x00{lora or ''}".encode())
 
 
 @functools.cache

@@ -52,6 +52,11 @@ class Ticket:
     basis: Basis | None = None
 
 
+# What an endpoint with nothing in flight reads as: one instance, as scorers ask for every
+# candidate of every request (never mutated: :meth:`InflightTracker.add` makes its own).
+_IDLE = Load()
+
+
 class InflightTracker:
     """Per-endpoint in-flight counts, local to this process.
 
@@ -107,10 +112,12 @@ class InflightTracker:
             load.waiting = max(0, load.waiting - 1)
 
     def load(self, endpoint: str) -> Load:
+        """What is in flight on ``endpoint``; read-only (it may be the tracker's own count, or
+        the one shared idle load)."""
         local = self._local.get(endpoint)
         remote = self.remote.get(endpoint)
         if remote is None:
-            return local or Load()
+            return local or _IDLE
         if local is None:
             return remote
         return Load(

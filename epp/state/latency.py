@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -285,7 +286,11 @@ def relative_weight(stats: Stats, y: float) -> float:
 
 
 def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
-    return sum(c * v for c, v in zip(coef, x, strict=True))
+    # map with operator.mul: the products are summed in the same order as a generator would
+    # give them, without a Python frame per term (a prediction per pick). Equal lengths by
+    # construction (a model's dimensions).
+    total: float = sum(map(operator.mul, coef, x))
+    return total
 
 
 def standard_error(stats: Stats, coef: Sequence[float], x: Sequence[float]) -> float:

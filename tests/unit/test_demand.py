@@ -4,8 +4,9 @@ the queue, asking for one replica when requests wait for an empty pool, and 0 wh
 from __future__ import annotations
 
 import math
+import random
 
-from epp.metrics.demand import DemandPolicy, PoolDemand
+from epp.metrics.demand import DemandPolicy, PoolDemand, _Decayed
 
 POLICY = DemandPolicy(target_utilisation=0.8, replica_concurrency=4, window_seconds=10.0)
 
@@ -58,3 +59,20 @@ def test_unknown_and_forgotten_pools_ask_for_nothing() -> None:
     steady(demand, rate=5.0, seconds=0.1, until=10.0)
     demand.forget(set())
     assert demand.signal("p", ready=3, now=10.0).desired_replicas == 0
+
+
+def test_completions_decay_as_two_separately_decayed_sums_would() -> None:
+    """``completed`` decays both sums by one shared factor: the same floats as decaying each
+    on its own (they are always updated at the same instants)."""
+    rng = random.Random(7)
+    demand = PoolDemand(DemandPolicy(window_seconds=30.0))
+    completions, busy = _Decayed(), _Decayed()
+    now = 100.0
+    for _ in range(500):
+        now += rng.expovariate(5.0)
+        seconds = rng.uniform(0.01, 3.0)
+        demand.completed("p", seconds, now)
+        completions.add(1.0, now, 30.0)
+        busy.add(seconds, now, 30.0)
+    state = demand._pools["p"]
+    assert (state.completions.value, state.busy.value) == (completions.value, busy.value)

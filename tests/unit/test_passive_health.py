@@ -3,13 +3,15 @@ half-open trials, the pool's ejection cap and the sharing of verdicts."""
 
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY
 
 from epp.config import ConfigError, parse_config
-from epp.state.health import Circuit, HealthConfig, HealthTracker, Verdict
+from epp.state.health import Circuit, EndpointHealth, HealthConfig, HealthTracker, Verdict
 
 POOL = ("a", "b", "c", "d")
 CONFIG = HealthConfig(
@@ -270,3 +272,14 @@ def test_health_section_is_parsed_and_every_problem_reported() -> None:
     ):
         assert expected in joined
     assert len(info.value.errors) == 7
+
+
+def test_window_median_is_the_statistics_median_of_the_latest_samples() -> None:
+    rng = random.Random(5)
+    health = EndpointHealth("p")
+    for step in range(200):
+        health.latencies.append((float(step), rng.choice((0.1, 0.25, rng.random()))))
+        for count in (1, 2, 3, 10, 11):
+            latest = [s for _, s in list(health.latencies)[-count:]]
+            wanted = statistics.median(latest) if len(health.latencies) >= count else None
+            assert health.median_latency(count) == wanted

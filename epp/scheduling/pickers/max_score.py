@@ -29,6 +29,9 @@ class MaxScorePicker(Picker):
         self, candidates: Sequence[EndpointState], totals: Sequence[float], count: int
     ) -> list[EndpointState]:
         # A random secondary key orders ties randomly; fallbacks come from the same ranking.
+        # The keys are built first, one draw per candidate in candidate order, as sorted()
+        # would draw them through a key function (the same ranking for the same seed).
         rand = self._random.random
-        ranked = sorted(range(len(candidates)), key=lambda i: (-totals[i], rand()))
+        keys = [(-total, rand()) for total in totals]
+        ranked = sorted(range(len(candidates)), key=keys.__getitem__)
         return [candidates[i] for i in ranked[:count]]

@@ -10,27 +10,30 @@ scraped queue. The larger of the two is the endpoint's load, divided by its capa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, Scorer, register
 from epp.scheduling.params import Params, param
+from epp.state.inflight import Load
 from epp.state.snapshot import EndpointState
 
 
-def outstanding_tokens(endpoint: EndpointState, cycle: Cycle, tokens_per_request: int) -> float:
-    """Work ahead of a new request on ``endpoint``, in tokens, per unit of capacity.
+def outstanding_tokens(
+    endpoint: EndpointState, own: Load, weights: Mapping[str, float], tokens_per_request: int
+) -> float:
+    """Work ahead of a new request on ``endpoint``, in tokens, per unit of capacity (its
+    ``weights`` entry); ``own``: epp's in-flight load there.
 
     Scraped requests are converted to tokens at the size of the requests epp has in flight
     there (``tokens_per_request`` when it has none): a fixed guess would make a replica busy
     with a few short requests look heavier than epp's own count of long ones, or the reverse.
     """
-    own = cycle.fleet.inflight.load(endpoint.address)
     metrics = endpoint.metrics
     per_request = own.tokens / own.requests if own.requests else tokens_per_request
     scraped = (metrics.waiting + metrics.running) * per_request
-    return max(own.tokens, scraped) / cycle.weights.get(endpoint.address, 1.0)
+    return max(own.tokens, scraped) / weights.get(endpoint.address, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,10 @@ class InflightLoadScorer(Scorer):
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> list[float]:
-        loads = [outstanding_tokens(c, cycle, self.tokens_per_request) for c in candidates]
+        load = cycle.fleet.inflight.load
+        weights = cycle.weights
+        default = self.tokens_per_request
+        loads = [outstanding_tokens(c, load(c.address), weights, default) for c in candidates]
         low, high = min(loads), max(loads)
         if self.normalise == "ratio":
             slack = self.tokens_per_request
