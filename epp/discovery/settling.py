@@ -8,6 +8,12 @@ load scorers prefer, so after a scale-up by two or more the whole list could nam
 Envoy has not resolved yet, and the request fail with 503 although old replicas could serve
 it (seen in the compose stack's ``--scale sim=4`` check). :class:`Settling` tells the router
 which endpoints are still within that window, so that every list keeps one Envoy surely knows.
+
+The window ends at the first response Envoy serves from the replica (then it is surely in
+Envoy's cluster), and otherwise after :data:`SETTLE_INTERVALS` intervals. A time alone was not
+enough: Envoy's resolution can lag epp's by more than the one interval both are configured
+with (a CI run of the compose stack, 1 s intervals: Envoy still lacked two new replicas 2.1 s
+after epp had them, and a list naming only those two got a 503).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from collections.abc import Callable, Mapping
 
 from epp.discovery.spec import DiscoverySpec, DnsSpec
 
-# Envoy's next resolution comes at most one interval after epp's; the second interval covers
-# a slow resolver and the cluster update reaching Envoy's workers.
-SETTLE_INTERVALS = 2.0
+# The bound for a replica Envoy never serves (epp never picks it, or it fails every attempt).
+# Long, because a served response usually ends the window within an interval or two, and a
+# settling replica costs little: a list ending with it gets one more entry, and Envoy skipping
+# it is not counted as its failure (a broken new replica is judged by its scrapes meanwhile).
+SETTLE_INTERVALS = 10.0
 
 
 class Settling:
@@ -62,6 +70,10 @@ class Settling:
             del self._until[address]
             return False
         return True
+
+    def served(self, address: str) -> None:
+        """Envoy served a response from ``address``: it has resolved it."""
+        self._until.pop(address, None)
 
     def any(self) -> bool:
         return bool(self._until)

@@ -254,6 +254,8 @@ class StreamHandler:
                 judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
             self.pick = move_pick(fleet, self.pick, served, now)
             MOVED.inc()
+        if served is not None:
+            self._router.settling.served(served)
         if self._trace is not None:
             self._trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:

@@ -30,7 +30,7 @@ class Clock:
         return self.now
 
 
-def test_new_members_settle_for_two_intervals_and_first_members_are_known() -> None:
+def test_new_members_settle_for_some_intervals_and_first_members_are_known() -> None:
     clock = Clock()
     settling = Settling(clock)
     interval = 1.0
@@ -117,6 +117,36 @@ async def test_once_settled_the_list_is_epps_choice_alone() -> None:
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
     decision, _ = router.route(request)
     assert {e.address for e in decision.endpoints} == set(NEW)
+
+
+def test_a_response_served_by_a_new_member_ends_its_settling_at_once() -> None:
+    settling = Settling(Clock())
+    dns = {"main": DnsSpec("sim", 8000, interval=1.0)}
+    settling.update({"main": OLD}, dns)
+    settling.update({"main": OLD + NEW}, dns)
+    settling.served(NEW[0])
+    settling.served(OLD[0])  # known all along: nothing to end
+    assert not settling.settling(NEW[0])
+    assert settling.settling(NEW[1])
+    settling.update({"main": OLD + NEW}, dns)  # the next resolution does not restart it
+    assert not settling.settling(NEW[0])
+
+
+async def test_envoy_serving_a_new_replica_ends_its_settling() -> None:
+    """The served endpoint on the response path is the evidence that Envoy has resolved a
+    new replica: from then on lists ending with it are epp's choice alone."""
+    router = await _router()  # NEW have just joined, and every scorer prefers them
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    handler.handle(body_msg(b'{"model": "tiny", "prompt": "hello"}'))
+    assert handler.ticket is not None
+    picked = handler.ticket.endpoint
+    assert picked in NEW
+    handler.handle(_response_headers({**SSE_HEADERS, SERVED: picked}))
+    assert not router.settling.settling(picked)
+    other = next(a for a in NEW if a != picked)
+    assert router.settling.settling(other)
+    router.finish(handler.ticket)
 
 
 async def test_a_settling_replica_envoy_skipped_is_not_judged_failed() -> None:
