@@ -51,13 +51,22 @@ class _Decayed:
         self.at = 0.0
 
     def add(self, amount: float, now: float, window: float) -> None:
-        self.value = self.read(now, window) + amount
+        self.add_decayed(amount, now, self.factor(now, window))
+
+    def add_decayed(self, amount: float, now: float, factor: float) -> None:
+        """Add ``amount`` at ``now``, the past having decayed by ``factor`` (from
+        :meth:`factor`: sums updated at the same instants share one)."""
+        self.value = self.value * factor + amount
         self.at = now
+
+    def factor(self, now: float, window: float) -> float:
+        """How much of the sum is left at ``now``."""
+        return math.exp(-max(0.0, now - self.at) / window)
 
     def read(self, now: float, window: float) -> float:
         if self.value == 0.0:
             return 0.0
-        return self.value * math.exp(-max(0.0, now - self.at) / window)
+        return self.value * self.factor(now, window)
 
 
 class _Pool:
@@ -95,12 +104,10 @@ class PoolDemand:
         """A request of ``pool`` completed after ``seconds`` of service."""
         now = time.monotonic() if now is None else now
         state = self._pool(pool)
-        completions, busy = state.completions, state.busy
         # Both sums are only ever updated together, so they decay by the same factor: one exp.
-        factor = math.exp(-max(0.0, now - completions.at) / self.policy.window_seconds)
-        completions.value = completions.value * factor + 1.0
-        busy.value = busy.value * factor + seconds
-        completions.at = busy.at = now
+        factor = state.completions.factor(now, self.policy.window_seconds)
+        state.completions.add_decayed(1.0, now, factor)
+        state.busy.add_decayed(seconds, now, factor)
 
     def forget(self, keep: set[str]) -> None:
         """Drop pools no longer configured (bounded label sets)."""

@@ -82,6 +82,18 @@ async def _router(waiting: dict[str, int] | None = None) -> Router:
     return router
 
 
+def _pick_new(router: Router) -> tuple[StreamHandler, str]:
+    """A request through a stream handler, routed to one of the new replicas (which
+    ``_router`` makes every scorer prefer); the handler and the picked replica."""
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    handler.handle(body_msg(b'{"model": "tiny", "prompt": "hello"}'))
+    assert handler.ticket is not None
+    picked = handler.ticket.endpoint
+    assert picked in NEW
+    return handler, picked
+
+
 async def test_a_list_of_only_new_replicas_gets_an_old_one_appended() -> None:
     router = await _router()
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
@@ -136,12 +148,7 @@ async def test_envoy_serving_a_new_replica_ends_its_settling() -> None:
     """The served endpoint on the response path is the evidence that Envoy has resolved a
     new replica: from then on lists ending with it are epp's choice alone."""
     router = await _router()  # NEW have just joined, and every scorer prefers them
-    handler = StreamHandler(router)
-    handler.handle(headers_msg())
-    handler.handle(body_msg(b'{"model": "tiny", "prompt": "hello"}'))
-    assert handler.ticket is not None
-    picked = handler.ticket.endpoint
-    assert picked in NEW
+    handler, picked = _pick_new(router)
     handler.handle(_response_headers({**SSE_HEADERS, SERVED: picked}))
     assert not router.settling.settling(picked)
     other = next(a for a in NEW if a != picked)
@@ -159,12 +166,7 @@ async def test_a_settling_replica_envoy_skipped_is_not_judged_failed() -> None:
     for settled in (False, True):
         if settled:
             router.settling = Settling()  # nothing joined recently
-        handler = StreamHandler(router)
-        handler.handle(headers_msg())
-        handler.handle(body_msg(b'{"model": "tiny", "prompt": "hello"}'))
-        assert handler.ticket is not None
-        picked = handler.ticket.endpoint
-        assert picked in NEW
+        handler, picked = _pick_new(router)
         handler.handle(_response_headers({**SSE_HEADERS, SERVED: OLD[0]}))
         state = router.fleet.health.state(picked)
         failures = [failed for _, failed in state.outcomes] if state is not None else []
