@@ -239,7 +239,8 @@ def _ext_proc_filter(mode: Mode, message_timeout_ms: int) -> dict[str, Any]:
             # A stream that cannot reach an epp (dead process, refused, reset or UNAVAILABLE
             # before epp's first answer) is replayed on another epp instead of failing the
             # request with a 500. Retries here can land on the dead epp again (measured:
-            # previous_hosts does not keep them off it), so they must outlast the health checks
+            # previous_hosts does not keep them off it; measured before the epp cluster's
+            # merge window was set to 0, see there), so they must outlast the health checks
             # that remove it: 10 retries backing off 25 -> 250 ms span ~1-2 s. Measured
             # (SIGKILL of one of two epps, sequential requests right after the stack started,
             # benchmarks/failover.py and docs/active-active.md): with 4 retries 3 of 5 runs
@@ -827,6 +828,14 @@ def _epp_cluster(
         # removed (measured: 70-220 failed requests per SIGKILL). Round robin over streams
         # that live as long as their request balances well enough.
         "lb_policy": "ROUND_ROBIN",
+        # Envoy delays a health-only change (a host turning healthy, failing its checks or
+        # being ejected) for up to the merge window (default 1 s) when another came less than
+        # that before, so its workers' balancers keep the old view. Measured in
+        # tests/e2e/test_workers.py: a worker turned healthy 0.16 s after the other one and
+        # stayed invisible to the balancer; that other one was killed, and every attempt and
+        # retry of the next stream (11 over 0.58 s) went to the dead one, failing the request.
+        # With a handful of epps, pushing each change at once costs nothing.
+        "common_lb_config": {"update_merge_window": "0s"},
         "circuit_breakers": _circuit_breakers(),
         "health_checks": [
             {

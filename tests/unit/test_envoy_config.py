@@ -47,6 +47,8 @@ from tests.helpers.envoy import EnvoyProcess, envoy_binary, validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "envoy"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 needs_envoy = pytest.mark.skipif(envoy_binary() is None, reason="envoy binary not installed")
 
@@ -276,6 +278,7 @@ class FakeEpp(ext_proc_pb2_grpc.ExternalProcessorServicer):
     def __init__(self, mode: Mode) -> None:
         self.mode = mode
         self.records: list[StreamRecord] = []
+        self.health = health.aio.HealthServicer()
 
     def record(self, test_id: str) -> StreamRecord:
         return next(r for r in self.records if r.test_id == test_id)
@@ -487,15 +490,18 @@ class Rig:
             return resp.status, await resp.text()
 
 
-async def _start_fake_epp(mode: Mode) -> tuple[FakeEpp, grpc.aio.Server, int, grpc.aio.Server, int]:
-    """A FakeEpp on a free port plus a gRPC health server reporting it SERVING."""
+async def _start_fake_epp(
+    mode: Mode, serving: bool = True
+) -> tuple[FakeEpp, grpc.aio.Server, int, grpc.aio.Server, int]:
+    """A FakeEpp on a free port plus a gRPC health server reporting it SERVING (or NOT_SERVING
+    until ``fake.health`` is set otherwise)."""
     fake = FakeEpp(mode)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
     ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     health_server = grpc.aio.server()
-    servicer = health.aio.HealthServicer()
-    await servicer.set(EXTPROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    servicer = fake.health
+    await servicer.set(EXTPROC_SERVICE, _SERVING if serving else _NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, health_server)
     health_port = health_server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -652,6 +658,72 @@ async def test_ext_proc_stream_lifetime(rig: Rig, path: str) -> None:
     assert rec.end_reason in ("half-closed by envoy", "CancelledError", "GeneratorExit")
     # The route tells the response processor which upstream host answered.
     assert rec.response_headers["x-gateway-destination-endpoint-served"] == b1.addr
+
+
+async def _until_healthy(envoy: EnvoyProcess, port: int) -> None:
+    """Until Envoy's main thread (its admin) holds the epp on ``port`` healthy."""
+    flags = f"epp::127.0.0.1:{port}::health_flags::"
+    for _ in range(500):
+        _, clusters = await asyncio.to_thread(envoy.admin_get, "/clusters")
+        if f"{flags}healthy" in clusters:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"Envoy never held the epp on port {port} healthy")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_epp_turning_healthy_is_used_at_once(tmp_path: Path, mode: Mode) -> None:
+    """Envoy pushes a health change to its balancers at once, not after a merge window.
+
+    Two changes less than the merge window apart (1 s by default): epp A turns healthy, then
+    B; A dies. Merged, B's change still waited in Envoy's main thread, its workers' balancer
+    knew only A, and every attempt and retry of the next stream went to the dead A (seen as
+    a 503 in tests/e2e/test_workers.py). Both epps' health is set here by hand so the changes
+    fall inside one window."""
+    if envoy_binary() is None:
+        pytest.skip("envoy binary not installed")
+    backend = await _start_backend("b1")
+    epps = [await _start_fake_epp(mode, serving=False) for _ in range(2)]
+    (a, a_server, a_port, a_health, _), (b, _, b_port, _, _) = epps
+    envoy: EnvoyProcess | None = None
+    try:
+        listen, admin = free_port(), free_port()
+        text = render(
+            _config([backend.addr]),
+            mode=mode,
+            listen=f"127.0.0.1:{listen}",
+            admin=f"127.0.0.1:{admin}",
+            extproc=[f"127.0.0.1:{e[2]}" for e in epps],
+            health=[f"127.0.0.1:{e[4]}" for e in epps],
+        )
+        envoy = await asyncio.to_thread(EnvoyProcess.start, text, admin, tmp_path / "envoy")
+        await a.health.set(EXTPROC_SERVICE, _SERVING)
+        await _until_healthy(envoy, a_port)
+        await b.health.set(EXTPROC_SERVICE, _SERVING)
+        await _until_healthy(envoy, b_port)
+        await a_server.stop(0)  # A dies: its port refuses
+        await a_health.stop(0)
+        statuses = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for _ in range(5):
+                hdrs = {"x-test-id": "h", "x-test-dest": backend.addr}
+                async with session.post(
+                    f"http://127.0.0.1:{listen}/", data=b"{}", headers=hdrs
+                ) as r:
+                    await r.read()
+                    statuses.append(r.status)
+        _, merged = envoy.admin_get("/stats?filter=cluster_manager.cluster_updated_via_merge$")
+        print(f"\n[{mode}] statuses {statuses}; {merged.strip()}")
+        assert statuses == [200] * 5
+        assert b.records, "B should have served"
+        assert merged.strip().endswith(": 0"), "no health update should wait to be merged"
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        for e in epps:
+            await e[1].stop(0)
+            await e[3].stop(0)
+        await backend.runner.cleanup()
 
 
 @pytest.mark.parametrize("mode", MODES)
