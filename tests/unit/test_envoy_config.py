@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -660,15 +661,71 @@ async def test_ext_proc_stream_lifetime(rig: Rig, path: str) -> None:
     assert rec.response_headers["x-gateway-destination-endpoint-served"] == b1.addr
 
 
-async def _until_healthy(envoy: EnvoyProcess, port: int) -> None:
-    """Until Envoy's main thread (its admin) holds the epp on ``port`` healthy."""
-    flags = f"epp::127.0.0.1:{port}::health_flags::"
-    for _ in range(500):
-        _, clusters = await asyncio.to_thread(envoy.admin_get, "/clusters")
-        if f"{flags}healthy" in clusters:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"Envoy never held the epp on port {port} healthy")
+FakeEppServers = tuple[FakeEpp, grpc.aio.Server, int, grpc.aio.Server, int]
+
+
+@dataclass
+class TwoEpps:
+    """Envoy in front of two fake epps (each with its own health server) and one backend."""
+
+    backend: Backend
+    epps: list[FakeEppServers]
+    envoy: EnvoyProcess
+    listen: int
+
+    async def post(self, session: aiohttp.ClientSession, test_id: str) -> int:
+        hdrs = {"x-test-id": test_id, "x-test-dest": self.backend.addr}
+        url = f"http://127.0.0.1:{self.listen}/"
+        async with session.post(url, data=b"{}", headers=hdrs) as r:
+            await r.read()
+            return r.status
+
+    async def until_healthy(self, index: int) -> None:
+        """Until Envoy's main thread (its admin) holds epp ``index`` healthy."""
+        flags = f"epp::127.0.0.1:{self.epps[index][2]}::health_flags::"
+        for _ in range(500):
+            _, clusters = await asyncio.to_thread(self.envoy.admin_get, "/clusters")
+            if f"{flags}healthy" in clusters:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"Envoy never held epp {index} healthy")
+
+    async def kill(self, index: int) -> None:
+        """Hard stop: streams reset, both ports refuse."""
+        await self.epps[index][1].stop(0)
+        await self.epps[index][3].stop(0)
+
+
+@contextlib.asynccontextmanager
+async def _two_epps(tmp_path: Path, mode: Mode, serving: bool = True) -> AsyncIterator[TwoEpps]:
+    if envoy_binary() is None:
+        pytest.skip("envoy binary not installed")
+    backend = await _start_backend("b1")
+    epps = [await _start_fake_epp(mode, serving) for _ in range(2)]
+    envoy: EnvoyProcess | None = None
+    try:
+        listen, admin = free_port(), free_port()
+        text = render(
+            _config([backend.addr]),
+            mode=mode,
+            listen=f"127.0.0.1:{listen}",
+            admin=f"127.0.0.1:{admin}",
+            extproc=[f"127.0.0.1:{e[2]}" for e in epps],
+            health=[f"127.0.0.1:{e[4]}" for e in epps],
+        )
+        envoy = await asyncio.to_thread(EnvoyProcess.start, text, admin, tmp_path / "envoy")
+        yield TwoEpps(backend, epps, envoy, listen)
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        for e in epps:
+            await e[1].stop(0)
+            await e[3].stop(0)
+        await backend.runner.cleanup()
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -680,108 +737,41 @@ async def test_an_epp_turning_healthy_is_used_at_once(tmp_path: Path, mode: Mode
     knew only A, and every attempt and retry of the next stream went to the dead A (seen as
     a 503 in tests/e2e/test_workers.py). Both epps' health is set here by hand so the changes
     fall inside one window."""
-    if envoy_binary() is None:
-        pytest.skip("envoy binary not installed")
-    backend = await _start_backend("b1")
-    epps = [await _start_fake_epp(mode, serving=False) for _ in range(2)]
-    (a, a_server, a_port, a_health, _), (b, _, b_port, _, _) = epps
-    envoy: EnvoyProcess | None = None
-    try:
-        listen, admin = free_port(), free_port()
-        text = render(
-            _config([backend.addr]),
-            mode=mode,
-            listen=f"127.0.0.1:{listen}",
-            admin=f"127.0.0.1:{admin}",
-            extproc=[f"127.0.0.1:{e[2]}" for e in epps],
-            health=[f"127.0.0.1:{e[4]}" for e in epps],
-        )
-        envoy = await asyncio.to_thread(EnvoyProcess.start, text, admin, tmp_path / "envoy")
-        await a.health.set(EXTPROC_SERVICE, _SERVING)
-        await _until_healthy(envoy, a_port)
-        await b.health.set(EXTPROC_SERVICE, _SERVING)
-        await _until_healthy(envoy, b_port)
-        await a_server.stop(0)  # A dies: its port refuses
-        await a_health.stop(0)
-        statuses = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            for _ in range(5):
-                hdrs = {"x-test-id": "h", "x-test-dest": backend.addr}
-                async with session.post(
-                    f"http://127.0.0.1:{listen}/", data=b"{}", headers=hdrs
-                ) as r:
-                    await r.read()
-                    statuses.append(r.status)
-        _, merged = envoy.admin_get("/stats?filter=cluster_manager.cluster_updated_via_merge$")
+    async with _two_epps(tmp_path, mode, serving=False) as pair:
+        for i in (0, 1):
+            await pair.epps[i][0].health.set(EXTPROC_SERVICE, _SERVING)
+            await pair.until_healthy(i)
+        await pair.kill(0)
+        async with _session() as session:
+            statuses = [await pair.post(session, "h") for _ in range(5)]
+        merged = pair.envoy.admin_get("/stats?filter=cluster_manager.cluster_updated_via_merge$")[1]
         print(f"\n[{mode}] statuses {statuses}; {merged.strip()}")
         assert statuses == [200] * 5
-        assert b.records, "B should have served"
+        assert pair.epps[1][0].records, "B should have served"
         assert merged.strip().endswith(": 0"), "no health update should wait to be merged"
-    finally:
-        if envoy is not None:
-            envoy.stop()
-        for e in epps:
-            await e[1].stop(0)
-            await e[3].stop(0)
-        await backend.runner.cleanup()
 
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_second_epp_takes_over_when_one_dies(tmp_path: Path, mode: Mode) -> None:
     """Active-active epp: a hard-killed epp costs no request (gRPC retry on the other)."""
-    if envoy_binary() is None:
-        pytest.skip("envoy binary not installed")
-    backend = await _start_backend("b1")
-    epps = [await _start_fake_epp(mode) for _ in range(2)]
-    envoy: EnvoyProcess | None = None
-    statuses: list[int] = []
-    try:
-        listen, admin = free_port(), free_port()
-        text = render(
-            _config([backend.addr]),
-            mode=mode,
-            listen=f"127.0.0.1:{listen}",
-            admin=f"127.0.0.1:{admin}",
-            extproc=[f"127.0.0.1:{e[2]}" for e in epps],
-            health=[f"127.0.0.1:{e[4]}" for e in epps],
-        )
-        envoy = await asyncio.to_thread(EnvoyProcess.start, text, admin, tmp_path / "envoy")
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-
-            async def send() -> None:
-                hdrs = {"x-test-id": "f", "x-test-dest": backend.addr}
-                url = f"http://127.0.0.1:{listen}/"
-                async with session.post(url, data=b"{}", headers=hdrs) as r:
-                    await r.read()
-                    statuses.append(r.status)
-
-            for _ in range(20):
-                await send()
-            assert all(e[0].records for e in epps), "both epps should have served"
-            await epps[0][1].stop(0)  # hard stop: streams reset, port closed
-            await epps[0][3].stop(0)
-            if mode == "full-duplex":
-                # Full duplex cannot replay a stream: a request whose stream Envoy opens on
-                # the dead epp's connection in the instant before it sees that connection
-                # close is reset (seen once in CI; docs/active-active.md). Requests from the
-                # moment Envoy knows must all be served.
-                dead = f"epp::127.0.0.1:{epps[0][2]}::cx_active::"
-                for _ in range(500):
-                    _, clusters = envoy.admin_get("/clusters")
-                    if f"{dead}0" in clusters or dead not in clusters:
-                        break
-                    await asyncio.sleep(0.01)
-            for _ in range(40):
-                await send()
-        _, stats = envoy.admin_get("/stats?filter=cluster.epp.upstream_rq_retry_success$")
+    async with _two_epps(tmp_path, mode) as pair, _session() as session:
+        statuses = [await pair.post(session, "f") for _ in range(20)]
+        assert all(e[0].records for e in pair.epps), "both epps should have served"
+        await pair.kill(0)
+        if mode == "full-duplex":
+            # Full duplex cannot replay a stream: a request whose stream Envoy opens on
+            # the dead epp's connection in the instant before it sees that connection
+            # close is reset (seen once in CI; docs/active-active.md). Requests from the
+            # moment Envoy knows must all be served.
+            dead = f"epp::127.0.0.1:{pair.epps[0][2]}::cx_active::"
+            for _ in range(500):
+                _, clusters = pair.envoy.admin_get("/clusters")
+                if f"{dead}0" in clusters or dead not in clusters:
+                    break
+                await asyncio.sleep(0.01)
+        statuses += [await pair.post(session, "f") for _ in range(40)]
+        _, stats = pair.envoy.admin_get("/stats?filter=cluster.epp.upstream_rq_retry_success$")
         print(
             f"\n[{mode}] one of two epps killed: statuses {sorted(set(statuses))}; {stats.strip()}"
         )
         assert statuses == [200] * 60
-    finally:
-        if envoy is not None:
-            envoy.stop()
-        for e in epps:
-            await e[1].stop(0)
-            await e[3].stop(0)
-        await backend.runner.cleanup()
