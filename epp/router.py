@@ -24,7 +24,6 @@ from epp.admission.flow_queue import QueueLimits
 from epp.admission.spillover import inflight_key
 from epp.config import Config
 from epp.discovery.settling import Settling
-from epp.extproc.usage import Usage
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
@@ -414,23 +413,27 @@ class Router:
                 met = "met" if seconds <= target.ttft else "missed"
                 LATENCY_TARGETS.add((basis.objective, "ttft", met))
 
-    def responded(self, pick: PickRecord, usage: Usage | None) -> None:
-        """The response of ``pick`` ended (or its stream closed) with ``usage`` (None: none
-        seen). The latency model learns whether the endpoint reports the engine's cached
-        prompt tokens, and a TTFT :meth:`first_token` held is observed now: ``U`` the engine's
-        ``prompt - cached`` when the usage has it, else epp's estimate at the pick (a response
-        cut short still teaches its TTFT)."""
+    def responded(
+        self, pick: PickRecord, prompt: int | None = None, cached: int | None = None
+    ) -> None:
+        """The response of ``pick`` ended (or its stream closed) with usage of ``prompt``
+        prompt tokens, ``cached`` of them cached by the engine (None: no usage seen, no cached
+        count reported; plain numbers, not the response path's ``Usage``, so the router does
+        not depend on epp.extproc). The latency model learns whether the endpoint reports the
+        engine's cached tokens, and a TTFT :meth:`first_token` held is observed now: ``U`` the
+        engine's ``prompt - cached`` when both are known, else epp's estimate at the pick (a
+        response cut short still teaches its TTFT)."""
         endpoint = pick.ticket.endpoint
         latency = self.fleet.latency
-        if usage is not None:
-            latency.saw_usage(endpoint, usage.cached is not None)
+        if prompt is not None:
+            latency.saw_usage(endpoint, cached is not None)
         seconds = pick.ttft_held
         basis = pick.ticket.basis
         if seconds is None or basis is None:
             return
         pick.ttft_held = None
-        if usage is not None and usage.cached is not None:
-            basis = basis.with_uncached(max(0, usage.prompt - usage.cached))
+        if prompt is not None and cached is not None:
+            basis = basis.with_uncached(max(0, prompt - cached))
         latency.observe_ttft(endpoint, basis, seconds, time.time())
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:

@@ -335,7 +335,11 @@ class StreamHandler:
                 self._router.decoded(self.pick, outcome.tpot)
         if self.pick is not None and self._spilled is None:
             # Learns with the engine's cached tokens a TTFT held for them (Router.responded).
-            self._router.responded(self.pick, outcome.usage)
+            usage = outcome.usage
+            if usage is None:
+                self._router.responded(self.pick)
+            else:
+                self._router.responded(self.pick, usage.prompt, usage.cached)
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
