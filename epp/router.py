@@ -387,10 +387,13 @@ class Router:
             self._weights = (learned, config.weights, merged)
         return merged
 
-    def first_token(self, pick: PickRecord, at: float) -> None:
+    def first_token(self, pick: PickRecord, at: float, usage_expected: bool = False) -> None:
         """The response of ``pick`` delivered its first token at ``at`` (the clock of
         ``pick.picked_at``): its prefill is no longer queued, and the latency model learns how
-        long it took."""
+        long it took. With ``usage_expected`` (the response will end with usage) and an
+        endpoint that reports its engine's cached tokens, the TTFT is held in
+        ``pick.ttft_held`` and learned by :meth:`responded` with the engine's uncached count;
+        otherwise at once, with epp's estimate."""
         ticket = pick.ticket
         if not ticket.waiting:
             return
@@ -400,11 +403,38 @@ class Router:
         basis = ticket.basis
         if basis is not None:
             seconds = at - pick.picked_at
-            self.fleet.latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
+            latency = self.fleet.latency
+            if usage_expected and latency.engine_cached(ticket.endpoint):
+                pick.ttft_held = seconds
+            else:
+                latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
             target = basis.target
             if target is not None and target.ttft is not None:
                 met = "met" if seconds <= target.ttft else "missed"
                 LATENCY_TARGETS.add((basis.objective, "ttft", met))
+
+    def responded(
+        self, pick: PickRecord, prompt: int | None = None, cached: int | None = None
+    ) -> None:
+        """The response of ``pick`` ended (or its stream closed) with usage of ``prompt``
+        prompt tokens, ``cached`` of them cached by the engine (None: no usage seen, no cached
+        count reported; plain numbers, not the response path's ``Usage``, so the router does
+        not depend on epp.extproc). The latency model learns whether the endpoint reports the
+        engine's cached tokens, and a TTFT :meth:`first_token` held is observed now: ``U`` the
+        engine's ``prompt - cached`` when both are known, else epp's estimate at the pick (a
+        response cut short still teaches its TTFT)."""
+        endpoint = pick.ticket.endpoint
+        latency = self.fleet.latency
+        if prompt is not None:
+            latency.saw_usage(endpoint, cached is not None)
+        seconds = pick.ttft_held
+        basis = pick.ticket.basis
+        if seconds is None or basis is None:
+            return
+        pick.ttft_held = None
+        if prompt is not None and cached is not None:
+            basis = basis.with_uncached(max(0, prompt - cached))
+        latency.observe_ttft(endpoint, basis, seconds, time.time())
 
     def decoded(self, pick: PickRecord, tpot: float) -> None:
         """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""

@@ -18,7 +18,10 @@ status, token timings and usage from them; when a retry served the request elsew
 epp picked, the pick's accounting moves there (:func:`~epp.state.moves.move_pick`). What a
 complete response showed (metrics, passive health, the latency model) is recorded by
 :meth:`StreamHandler.settle` once the answer to its last message is out, like the pick's
-bookkeeping: neither delays an answer.
+bookkeeping: neither delays an answer. When the response will end with usage and its endpoint
+reports the engine's cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``), the
+latency model learns the TTFT only then, from the engine's uncached count
+(:meth:`~epp.router.Router.responded`) rather than epp's estimate at the pick.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class StreamHandler:
         "_strip_usage",
         "_subset",
         "_trace",
+        "_usage_expected",
         "charge",
         "pending",
         "pick",
@@ -137,6 +141,9 @@ class StreamHandler:
         self._request: InferenceRequest | None = None
         # epp added stream_options.include_usage: hide the usage chunk from the client.
         self._strip_usage = False
+        # The streamed response will end with usage (the client's or epp's include_usage, or
+        # the Responses API's response.completed): the TTFT may wait for it (first_token).
+        self._usage_expected = False
         self._observer: ResponseObserver | None = None
         # When the response completed (the clock's time): what it showed is recorded by
         # settle(), after the answer.
@@ -274,7 +281,7 @@ class StreamHandler:
             forward = observer.on_body(chunk, now, end)
             first = observer.first_token
             if first is not None and self.pick is not None and self.pick.ticket.waiting:
-                self._router.first_token(self.pick, first)
+                self._router.first_token(self.pick, first, self._usage_expected)
             if end or observer.body_complete:
                 self._response_ended = now
         if not self._response_full_duplex:
@@ -326,6 +333,13 @@ class StreamHandler:
             self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
             if outcome.tpot is not None and self.pick is not None:
                 self._router.decoded(self.pick, outcome.tpot)
+        if self.pick is not None and self._spilled is None:
+            # Learns with the engine's cached tokens a TTFT held for them (Router.responded).
+            usage = outcome.usage
+            if usage is None:
+                self._router.responded(self.pick)
+            else:
+                self._router.responded(self.pick, usage.prompt, usage.cached)
         endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
         if endpoint is not None and self._spilled is None:
             fleet = self._router.fleet
@@ -396,6 +410,7 @@ class StreamHandler:
         re-serialisation for every change epp makes (the engine priority, the usage option)."""
         changed = self._router.config.request.engine_priority and set_engine_priority(request, data)
         asked_usage = self._ask_for_usage(request, data)
+        self._usage_expected = _expects_usage(request, data)
         if not (changed or asked_usage):
             return None
         try:
@@ -567,6 +582,18 @@ class StreamHandler:
         RESULTS.add((refusal_reason(error.status),))
         log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
         return responses.error_response(error)
+
+
+def _expects_usage(request: InferenceRequest, data: dict[str, Any]) -> bool:
+    """Whether the streamed response to ``data`` (as forwarded) ends with usage: the only
+    place the engine's cached prompt tokens arrive. A non-streamed response always carries it,
+    but has no first token for the latency model to learn from."""
+    if not request.stream:
+        return False
+    if request.api == "responses":
+        return True
+    options = data.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def _span_attributes(outcome: Outcome) -> dict[str, object]:

@@ -6,10 +6,12 @@ every response (:mod:`epp.extproc.response_stream`), so it learns, per endpoint,
 models from what each request looked like when it was picked and how long it then took:
 
 - **TTFT** (pick to first token) ``= a + b*U + c*Q + e*D``: ``U`` the request's uncached
-  prompt tokens (thousands), ``Q`` the uncached prompt tokens of requests sent there earlier
-  still waiting for their first token (the prefill queued ahead, thousands; vLLM schedules
-  FCFS), ``D`` the requests decoding there (tens; each adds to every engine step). ``1/b`` is
-  the endpoint's prefill rate, ``c*Q`` its queueing delay, ``a`` the fixed cost of a request.
+  prompt tokens (thousands; the engine's own count from the response's usage when the
+  endpoint reports ``prompt_tokens_details.cached_tokens``, else epp's estimate at the
+  pick), ``Q`` the uncached prompt tokens of requests sent there earlier still waiting for
+  their first token (the prefill queued ahead, thousands; vLLM schedules FCFS), ``D`` the
+  requests decoding there (tens; each adds to every engine step). ``1/b`` is the endpoint's
+  prefill rate, ``c*Q`` its queueing delay, ``a`` the fixed cost of a request.
 - **TPOT** (time per output token) ``= d + f*D``: decode step time as a function of the batch.
 
 Evidence: an observation weighs ``0.5 ** (age / half_life)``, so the model forgets a replica's
@@ -94,6 +96,15 @@ class Basis:
     predicted: float
     target: LatencyTarget | None = None
     objective: str = ""
+
+    def with_uncached(self, tokens: int) -> Basis:
+        """The same basis with ``U`` set to ``tokens``: the engine's own uncached count
+        (``prompt_tokens - cached_tokens`` of the response's usage), known only at the end of
+        the response. epp's estimate at the pick comes from its prefix index, which can count
+        history as uncached that the engine still holds; learning from it made equal replicas
+        look 1.3-2.5x faster than each other (docs/learned-latency-bench.md)."""
+        features = (self.features[0], tokens / TOKENS_UNIT, *self.features[2:])
+        return Basis(features, self.predicted, self.target, self.objective)
 
     @property
     def prefill_ahead(self) -> int:
@@ -380,6 +391,9 @@ class EndpointLatency:
     # (predicted, measured) TTFT of recent requests.
     errors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=ERROR_SAMPLES))
     samples: int = 0
+    # The endpoint's last usage reported the engine's cached prompt tokens (vLLM started with
+    # --enable-prompt-tokens-details): its TTFT observations wait for the usage (engine_cached).
+    engine_cached: bool = False
 
 
 class LatencyModel:
@@ -450,6 +464,23 @@ class LatencyModel:
         state.samples += 1
         state.ttft.observe(basis.features, seconds, now)
         self._capacities_at = -math.inf
+
+    def engine_cached(self, address: str) -> bool:
+        """Whether ``address`` reports its engine's cached prompt tokens in usage: then a TTFT
+        observation is worth holding until the response's usage arrives. Learned from the
+        responses (:meth:`saw_usage`), so an engine without the option is observed at the
+        first token as before."""
+        state = self._endpoints.get(address)
+        return state is not None and state.engine_cached
+
+    def saw_usage(self, address: str, cached_reported: bool) -> None:
+        """A response of ``address`` carried usage, with the engine's cached tokens or not."""
+        state = self._endpoints.get(address)
+        if state is None:
+            if not cached_reported:
+                return
+            state = self._get(address)
+        state.engine_cached = cached_reported
 
     def observe_tpot(self, address: str, decoding: float, tpot: float, now: float) -> None:
         """A response decoded at ``tpot`` seconds per token with ``decoding`` requests in the
@@ -524,6 +555,7 @@ class LatencyModel:
             },
             "ttft_samples": state.samples,
             "ttft_median_abs_error": round(statistics.median(errors), 4) if errors else None,
+            "uncached_from": "engine" if state.engine_cached else "estimate",
             "capacity": self.capacities(now).get(address),
             "speed": self.speeds(now).get(address),
         }

@@ -34,6 +34,9 @@ class PickRecord:
     # pick: its uncached prompt plus the prefill queued ahead (passive health scales its TTFT
     # by them); None when unknown (a fallback served it).
     prefill_ahead: int | None = None
+    # The TTFT measured at the first token, held for the latency model until the response's
+    # usage says how many prompt tokens the engine had cached (Router.first_token).
+    ttft_held: float | None = None
 
     @property
     def endpoint(self) -> str:
