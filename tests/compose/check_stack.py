@@ -166,6 +166,33 @@ class Stack:
             {"x-request-id": request_id},
         )
 
+    def stream_with_usage(self, request_id: str) -> int:
+        """A streamed completion that asks for usage (the last chunk): where the replica's
+        cached prompt tokens reach epp."""
+        status, _, _ = http(
+            f"{self.url('ENVOY_PORT')}/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": f"Stream from the compose test {request_id}",
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            {"x-request-id": request_id},
+        )
+        return status
+
+    def learns_from_engine(self) -> list[str]:
+        """The replicas whose TTFT some epp learns from the engine's cached-token count."""
+        return [
+            address
+            for epp in EPPS
+            for address, state in (self.endpoints(epp) or {}).items()
+            if isinstance(state, dict)
+            and isinstance(state.get("latency"), dict)
+            and state["latency"].get("uncached_from") == "engine"
+        ]
+
     def decision(self, request_id: str) -> tuple[str, list[str]] | None:
         for epp in EPPS:
             status, _, body = http(f"{self.url(epp)}/debug/decisions/{request_id}")
@@ -323,14 +350,27 @@ def main() -> int:
             first.deciders.update(one.deciders)
             return len(first.deciders) == 2
 
-        # For about a second after its health checks pass, Envoy may still send every stream
-        # to the epp it used before (see epp.devstack): wait for both rather than count.
+        # Round robin starts wherever Envoy's balancer was when the second epp turned healthy:
+        # wait for both rather than count.
         wait_for("a request decided by each epp", both_epps_decided, 30, 0.05)
         step("20 requests: each must be served by the replica epp chose")
         more = check_routing(stack, 20)
         first.served.update(more.served)
         first.deciders.update(more.deciders)
         print(f"    served by {dict(first.served)}; decided by {dict(first.deciders)}", flush=True)
+
+        step("streamed completions with usage: epp learns TTFTs from the engine's cached tokens")
+        for i in range(4):
+            status = stack.stream_with_usage(f"usage-{i}")
+            if status != 200:
+                raise StackError(f"a streamed completion with usage got HTTP {status}")
+        engine = wait_for(
+            "an epp showing uncached_from: engine in /debug/endpoints",
+            stack.learns_from_engine,
+            15,
+            0.2,
+        )
+        print(f"    learned from the engine's count: {sorted(set(engine))}", flush=True)
 
         step("Prometheus scrapes both epps and every replica")
         replicas = set(first.served)

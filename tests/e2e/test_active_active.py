@@ -106,8 +106,9 @@ def cache_counters(stack: Stack) -> tuple[float, float]:
 def warm_up(stack: Stack) -> None:
     """Send requests until every epp has routed one.
 
-    For about a second after its health checks first pass, Envoy (1.40, one worker) still sends
-    every stream to the epp it used while the cluster was in panic mode.
+    Envoy sends streams only to epps whose health checks have passed, and the stack can be
+    ready before every epp's first check (with Envoy's default update merge window it took up
+    to a second more; the rendered cluster sets it to 0: docs/active-active.md).
     """
     deadline = time.monotonic() + 10
     while min(sum(picks(stack, i).values()) for i in range(stack.epp_count)) == 0:
