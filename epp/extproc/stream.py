@@ -435,9 +435,9 @@ class StreamHandler:
             and request.api in _USAGE_OPTION_APIS
         ):
             return False
-        options = data.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
+        if _asks_usage(data):
             return False
+        options = data.get("stream_options")
         data["stream_options"] = {
             **(options if isinstance(options, dict) else {}),
             "include_usage": True,
@@ -590,8 +590,11 @@ def _expects_usage(request: InferenceRequest, data: dict[str, Any]) -> bool:
     but has no first token for the latency model to learn from."""
     if not request.stream:
         return False
-    if request.api == "responses":
-        return True
+    return request.api == "responses" or _asks_usage(data)
+
+
+def _asks_usage(data: dict[str, Any]) -> bool:
+    """Whether ``data`` asks for the usage chunk (``stream_options.include_usage``)."""
     options = data.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
