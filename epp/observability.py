@@ -90,6 +90,11 @@ SHARED_PICKS = Counter(
     "unreachable for long (dropped).",
     ["direction"],
 )
+SHARED_PICKS_PENDING = Gauge(
+    "epp_shared_picks_pending",
+    "Prefix-index insertions and session bindings made here and not yet in Redis: a few "
+    "between two shipments, growing while Redis is unreachable.",
+)
 SHARED_PICK_DELAY = Histogram(
     "epp_shared_pick_delay_seconds",
     "From shipping in another epp process to application here (wall clocks).",

@@ -88,6 +88,10 @@ class ApproximatePrefixIndex:
                 endpoint, hashes, capacity, self._leading(self._lrus.get(endpoint), hashes)
             )
 
+    def recent_count(self) -> int:
+        """Additions made here and not yet taken by :meth:`take_recent`."""
+        return len(self._recent)
+
     def take_recent(self) -> list[Insertion]:
         """Hand over (and forget) the insertions made here since the last call."""
         batch = list(self._recent)

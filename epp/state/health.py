@@ -360,6 +360,10 @@ class HealthTracker:
 
     # Sharing (epp.state.shared.picks): this process's verdicts out, the others' in.
 
+    def recent_count(self) -> int:
+        """Additions made here and not yet taken by :meth:`take_recent`."""
+        return len(self._recent)
+
     def take_recent(self) -> list[Verdict]:
         batch = list(self._recent)
         self._recent.clear()

@@ -118,14 +118,19 @@ def warm_up(stack: Stack) -> None:
 
 
 def picks_applied_everywhere(stack: Stack) -> bool:
-    """Whether every epp has applied everything the others have shipped so far.
+    """Whether every pick made so far has reached Redis and every epp has applied the others'.
 
-    Shipped (``epp_shared_picks_total{direction="sent"}``) counts what reached Redis; each
-    epp applies the others' entries in stream order. A pick is shipped within the shipper's
-    linger (5 ms), long before its response (40 ms or more here) reaches the client: checked
-    after a reply, true means that reply's pick is known to every epp.
+    A pick is recorded before its answer goes to Envoy, so checked after a reply, true means
+    that reply's pick is known to every epp. Reached Redis: nothing pending
+    (``epp_shared_picks_pending``); counting shipments alone is not enough, since on a starved
+    core the shipper can run after the reply has reached the client. Applied: each epp's
+    ``epp_shared_picks_total{direction="applied"}`` covers what the others have ``sent``, read
+    after every pending count, so the sent counts include every pick found shipped.
     """
+    pending = [epp_metric(stack, i, "epp_shared_picks_pending") for i in range(stack.epp_count)]
     counts = [epp_metric(stack, i, "epp_shared_picks_total") for i in range(stack.epp_count)]
+    if any(p.get("", 0.0) for p in pending):
+        return False
     sent = [c.get('{direction="sent"}', 0.0) for c in counts]
     return all(
         c.get('{direction="applied"}', 0.0) >= sum(sent) - sent[j] for j, c in enumerate(counts)

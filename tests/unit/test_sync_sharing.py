@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from epp.state.fleet import FleetState
 from epp.state.inflight import Load
@@ -118,6 +119,11 @@ async def test_a_late_process_starts_with_the_group_history(group: Group) -> Non
     assert fc.sessions.get("old", time.time()) == E3
 
 
+def pending() -> float | None:
+    """``epp_shared_picks_pending`` (every started member of the group)."""
+    return REGISTRY.get_sample_value("epp_shared_picks_pending")
+
+
 async def test_picks_made_while_redis_is_down_arrive_after_it_returns(
     tmp_path: Path, group: Group
 ) -> None:
@@ -129,15 +135,19 @@ async def test_picks_made_while_redis_is_down_arrive_after_it_returns(
         fa.prefix.insert(E1, [1, 2], 1000)
         await eventually(lambda: fb.prefix.match([1, 2], [E1]) == {E1: 2})
 
+        assert pending() == 0
+
         server.kill()
         await eventually(lambda: a.leases.owned() is None, what="a notices the outage")
         fa.prefix.insert(E2, [3, 4], 1000)  # routing goes on, the insertion waits
         fa.inflight.add(E3, 7)
         await asyncio.sleep(0.2)
         assert fb.prefix.match([3, 4], [E2]) == {E2: 0}
+        assert pending() == 1, "the insertion waiting for Redis"
 
         server.start()  # empty
         await eventually(lambda: fb.prefix.match([3, 4], [E2]) == {E2: 2}, within=5.0)
+        assert pending() == 0
         await eventually(lambda: fb.inflight.load(E3).requests == 1, within=5.0)
     finally:
         server.stop()

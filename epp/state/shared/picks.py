@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from epp.observability import SHARED_PICK_DELAY, SHARED_PICKS
+from epp.observability import SHARED_PICK_DELAY, SHARED_PICKS, SHARED_PICKS_PENDING
 from epp.state.backoff import Backoff
 from epp.state.shared.keys import Keys
 
@@ -65,6 +65,8 @@ class Replicated(Protocol):
 
     def take_recent(self) -> list[Any]: ...
 
+    def recent_count(self) -> int: ...
+
     def apply(self, batch: Iterable[Any]) -> None: ...
 
 
@@ -79,6 +81,9 @@ class Channel:
 
 class PickStream:
     """Shipper and reader of one process's replicated tables."""
+
+    # Started streams, for the pending gauge: one per process in production, several in tests.
+    _live: set[PickStream] = set()
 
     def __init__(
         self,
@@ -115,8 +120,15 @@ class PickStream:
         if self._poll is not None:
             self._poll = self._linger = interval
 
+    def pending(self) -> int:
+        """Local additions not yet in Redis: in the tables' recent buffers or collected and
+        waiting for a shipment that succeeds. Zero after a reply means that reply's pick
+        reached Redis (the pick is recorded before the answer goes to Envoy)."""
+        return len(self._pending) + sum(c.table.recent_count() for c in self._channels.values())
+
     async def start(self) -> None:
         if not self._tasks:
+            PickStream._live.add(self)
             self._stopping = False
             self._started_at = time.time()
             self._tasks = [
@@ -131,6 +143,7 @@ class PickStream:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        PickStream._live.discard(self)
 
     async def _ship_loop(self) -> None:
         backoff = Backoff(self._retry)
@@ -219,3 +232,7 @@ class PickStream:
                     self._apply_failed = True
                 continue
             SHARED_PICKS.labels("applied").inc(len(batch))
+
+
+# Read at scrape time: the request path only appends to the recent buffers, as before.
+SHARED_PICKS_PENDING.set_function(lambda: sum(s.pending() for s in PickStream._live))

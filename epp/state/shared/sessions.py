@@ -36,6 +36,10 @@ class SharedSessionTable(SessionTable):
         super().bind(session, endpoint, now, ttl)
         self._recent.append(Binding(session, endpoint, now + ttl))
 
+    def recent_count(self) -> int:
+        """Additions made here and not yet taken by :meth:`take_recent`."""
+        return len(self._recent)
+
     def take_recent(self) -> list[Binding]:
         batch = list(self._recent)
         self._recent.clear()
