@@ -29,9 +29,19 @@ full block (its blocks are followed from the prompt through `parent_block_hash`)
 last-token times are only shown: once in CI vLLM's API server delivered both streams' last
 tokens 4 ms apart although the engine had run the victim ~480 tokens after the other.
 
-Only orders are asserted, never durations. The long request decodes 1200 tokens (~4 s)
-while the queue fills in well under a second, and the scenario fails loudly if it finished
-first. Under KV pressure the blocks run out ~480 tokens before either request would finish.
+Only orders are asserted, never durations. The long request is not left to finish: it may
+decode 16,000 tokens (~50 s; this server gets a 16k context, the tiny model's positions raised
+with `--hf-overrides`), and the test closes its stream half a second after the fourth request
+is seen waiting, which makes vLLM abort it and free the slot. A request of fixed length raced
+the queue's filling: with one more busy process on the box, vLLM's API server was seen to stall
+for a whole 3 s request (its tokens and every /metrics answer arrived at its end), so the queue
+never filled while it ran (a CI failure: "1 requests waiting not seen"). Each real server's
+engine core is also reniced to 19 (`start_vllm(engine_nice=...)`, vllm_server.py says why), so
+its spin-wait yields to the API server. The scenario still fails loudly if the long request
+ends before the queue is full. With one `yes` beside it the module failed 2 runs of 2 before
+these changes (the queue scenario once, KV pressure once); after, 2 of 2 passed, and 1 of 1
+with two `yes`. Under KV pressure the blocks run
+out ~480 tokens before either request would finish.
 
 Runs only with EPP_CONTRACT=1 (conftest.py). Each scenario starts its own vLLM (~35 s) and
 stops it at the end of the module.
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -69,6 +80,16 @@ pytestmark = pytest.mark.contract
 
 PRIORITY_FLAGS = ["--scheduling-policy", "priority"]
 MAX_NUM_SEQS = 1
+# Room for a running request that lasts until the test ends it: 576 blocks of 32 tokens.
+LONG_CONTEXT = 16384
+LONG_CONTEXT_FLAGS = [
+    "--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT}),
+    "--max-model-len", str(LONG_CONTEXT),
+    "--kv-cache-memory-bytes", str(36 * 1024 * 1024),
+]  # fmt: skip
+# How long the queue stays full before the running request is ended: hundreds of engine steps
+# in which a waiting request could (wrongly) preempt it.
+HOLD_S = 0.5
 R = TypeVar("R")
 
 
@@ -80,7 +101,7 @@ class Job:
     max_tokens: int
 
 
-RUNNING = Job("running", 10, 16, 1200)
+RUNNING = Job("running", 10, 16, 16000)
 QUEUED = (Job("a", 5, 256, 24), Job("b", 0, 256, 24), Job("c", 5, 256, 24), Job("d", -1, 256, 24))
 BY_PRIORITY = ["d", "b", "a", "c"]
 BY_ARRIVAL = ["a", "b", "c", "d"]
@@ -94,7 +115,11 @@ class Stream:
     last: float
 
 
-def _stream(target: Target, job: Job, prompt: list[int]) -> Stream:
+def _stream(
+    target: Target, job: Job, prompt: list[int], stop: threading.Event | None = None
+) -> Stream:
+    """Stream ``job``; once ``stop`` is set, close the connection at the next token (vLLM
+    aborts a request whose client went away)."""
     body = {
         "model": target.model,
         "prompt": prompt,
@@ -115,6 +140,8 @@ def _stream(target: Target, job: Job, prompt: list[int]) -> Stream:
             # Every chunk with a choice carries one token (its text may be empty: random weights).
             if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
                 times.append(time.monotonic())
+                if stop is not None and stop.is_set():
+                    break
     assert times, f"{target.name}: no token streamed for {job.name}"
     return Stream(times[0], times[-1])
 
@@ -177,18 +204,25 @@ def run_scenario(target: Target) -> ScenarioResult:
     before = wait_idle(target)
     prompts = {job.name: random_tokens(rng, job.prompt_len) for job in (RUNNING, *QUEUED)}
     events = EventCollector(target.kv_events_endpoint, target.kv_topic)
+    stop = threading.Event()
     with ThreadPoolExecutor(1 + len(QUEUED)) as pool:
-        futures = {RUNNING.name: pool.submit(_stream, target, RUNNING, prompts[RUNNING.name])}
-        _until(target, lambda m: m.running == 1, "the long request running")
+        running = pool.submit(_stream, target, RUNNING, prompts[RUNNING.name], stop)
+        futures = {RUNNING.name: running}
+        _until(target, lambda m: m.running == 1 or running.done(), "the long request running")
         for i, job in enumerate(QUEUED, 1):
+            if running.done():
+                break
             futures[job.name] = pool.submit(_stream, target, job, prompts[job.name])
-            _until(target, lambda m, n=i: m.waiting == n, f"{i} requests waiting")
+            _until(target, lambda m, n=i: m.waiting == n or running.done(), f"{i} requests waiting")
         queued = metrics(target)
-        if futures[RUNNING.name].done():
+        time.sleep(HOLD_S)
+        if running.done():
+            running.result()  # a failed stream is the cause: raised as such
             raise RuntimeError(
-                f"{target.name}: the long request finished before the queue filled; the "
-                "scenario tests nothing (raise RUNNING.max_tokens)"
+                f"{target.name}: the long request ended before the queue filled; the scenario "
+                "tests nothing (raise RUNNING.max_tokens)"
             )
+        stop.set()
         streams = {name: f.result(timeout=180) for name, f in futures.items()}
     after, messages = idle_then_events(target, events)
     first_blocks = {hash_blocks(prompts[j.name], BLOCK_SIZE)[0]: j.name for j in QUEUED}
@@ -222,7 +256,7 @@ def on_three_servers(
     if reason is not None:
         pytest.skip(reason)
     vllm_flags = [*PRIORITY_FLAGS, "--max-num-seqs", str(max_num_seqs), *(flags or [])]
-    with start_vllm(extra_args=vllm_flags) as srv:
+    with start_vllm(extra_args=vllm_flags, engine_nice=19) as srv:
         real = Target("vllm", srv.base_url, srv.kv_events_endpoint, srv.kv_topic, srv.model, None)
         out = {"vllm": run(real)}
         for name, extra in (("sim", PRIORITY_FLAGS), ("sim-fcfs", [])):
@@ -233,7 +267,7 @@ def on_three_servers(
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, ScenarioResult]:
-    out = on_three_servers(run_scenario, MAX_NUM_SEQS)
+    out = on_three_servers(run_scenario, MAX_NUM_SEQS, LONG_CONTEXT_FLAGS)
     print("".join(r.table() for r in out.values()))
     return out
 

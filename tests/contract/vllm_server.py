@@ -23,6 +23,12 @@ Flags follow REFERENCE §4.  Decisions:
 - `--max-num-seqs 4`, `-O0`: no torch.compile / graph capture (healthy in ~30 s here instead of
   minutes) and a small scheduler, matching a CPU box shared with other work.
 - `--load-format dummy`: random weights, the model dir has only config + tokenizer.
+- `engine_nice` (test_priority_contract.py only): vLLM's engine core waits for its worker by
+  spinning (`sched_yield` in shm_broadcast's SpinCondition, for a second after each read). On
+  two cores the worker takes one and the spinner most of the other: `top -H` showed the API
+  server at 8% of a core while a request decoded, and with one more busy process its answers
+  (tokens, /metrics) stalled for seconds. Reniced to 19, the spinner yields to the API server.
+  Only tests that assert orders use it: the latency calibrations were made without it.
 - The server runs in its own session/process group: stop() sends SIGTERM to the API server
   (vLLM's own orderly shutdown of EngineCore and worker), then SIGKILLs whatever of the group
   is left after a grace period, so no ~2 GB engine process outlives a test session.
@@ -235,6 +241,23 @@ def build_command(
     return cmd + list(extra_args or [])
 
 
+def renice_engine_core(group: int, nice: int) -> None:
+    """Set every thread of the engine-core process in process group ``group`` to ``nice``
+    (on Linux a nice value belongs to a thread, so each task is set)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after its ")".
+        comm, rest = text[text.index("(") + 1 :].rsplit(")", 1)
+        if comm.startswith("VLLM::EngineCor") and int(rest.split()[2]) == group:
+            for task in (stat.parent / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+            return
+    raise RuntimeError(f"no vLLM engine-core process in process group {group}")
+
+
 @contextlib.contextmanager
 def start_vllm(
     *,
@@ -246,6 +269,7 @@ def start_vllm(
     dev_mode: bool = False,
     extra_args: list[str] | None = None,
     timeout_s: float = 300.0,
+    engine_nice: int = 0,
 ) -> Iterator[VllmServer]:
     """Start vLLM, wait for /health, yield, and always stop it (even on errors).
 
@@ -304,6 +328,8 @@ def start_vllm(
     )
     try:
         srv.wait_healthy(timeout_s)
+        if engine_nice:
+            renice_engine_core(proc.pid, engine_nice)
         # Report what the engine actually uses rather than what we asked for.
         srv.block_size = int(srv.cache_config()["block_size"])
         yield srv
