@@ -11,7 +11,9 @@ started with LoRA enabled (adapter `tiny-lora`) and VLLM_SERVER_DEV_MODE=1 (for
 `/reset_prefix_cache` -> AllBlocksCleared), so a single engine covers every contract; base-model
 requests behave exactly as on a LoRA-less server (same block hashes, same counters).
 test_priority_contract.py starts servers of its own (other scheduler flags) with
-`vllm_server.start_vllm(extra_args=...)`.
+`vllm_server.start_vllm(extra_args=...)`. Every server's engine core runs at nice 19
+(vllm_server.py says why: on two cores its spin-wait starved the API server, and tests that
+sample /metrics while requests run saw too few samples once the box was busy).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def real_vllm() -> Iterator[RealVllm]:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    with start_vllm(lora=True, dev_mode=True) as srv:
+    with start_vllm(lora=True, dev_mode=True, engine_nice=19) as srv:
         yield RealVllm(
             base_url=srv.base_url,
             kv_events_endpoint=srv.kv_events_endpoint,

@@ -23,12 +23,14 @@ Flags follow REFERENCE §4.  Decisions:
 - `--max-num-seqs 4`, `-O0`: no torch.compile / graph capture (healthy in ~30 s here instead of
   minutes) and a small scheduler, matching a CPU box shared with other work.
 - `--load-format dummy`: random weights, the model dir has only config + tokenizer.
-- `engine_nice` (test_priority_contract.py only): vLLM's engine core waits for its worker by
-  spinning (`sched_yield` in shm_broadcast's SpinCondition, for a second after each read). On
+- `engine_nice` (19 for every server of the contract tests): vLLM's engine core waits for its
+  worker by spinning (`sched_yield` in shm_broadcast's SpinCondition, a second after each read). On
   two cores the worker takes one and the spinner most of the other: `top -H` showed the API
   server at 8% of a core while a request decoded, and with one more busy process its answers
   (tokens, /metrics) stalled for seconds. Reniced to 19, the spinner yields to the API server.
-  Only tests that assert orders use it: the latency calibrations were made without it.
+  With two `yes` beside the tier, two tests of test_sim_vs_vllm.py that sample /metrics while
+  requests run saw 5 samples and missed the state they look for; the scripts that calibrate
+  the simulator's timing (calibrate.py, capture_fixtures.py) start vLLM without it.
 - The server runs in its own session/process group: stop() sends SIGTERM to the API server
   (vLLM's own orderly shutdown of EngineCore and worker), then SIGKILLs whatever of the group
   is left after a grace period, so no ~2 GB engine process outlives a test session.
