@@ -21,7 +21,7 @@ What must hold on both the real vLLM and the simulator:
 
 A second scenario, on a real vLLM started with `--scheduling-policy priority --max-num-seqs 2`
 and a 96-block KV cache (and the two simulator replicas again): a low-priority request is
-admitted, then a high-priority one of the same length; when a running request needs a block
+admitted, then a high-priority one with a short prompt; when a running request needs a block
 and none is free, the victim must be the lowest-priority running request (the one admitted
 first), so the high-priority request finishes first; fcfs preempts the last admitted instead.
 The finish order is the engine's too: the KV-event message that stored each request's last
@@ -39,9 +39,9 @@ never filled while it ran (a CI failure: "1 requests waiting not seen"). Each re
 engine core is also reniced to 19 (`start_vllm(engine_nice=...)`, vllm_server.py says why), so
 its spin-wait yields to the API server. The scenario still fails loudly if the long request
 ends before the queue is full. With one `yes` beside it the module failed 2 runs of 2 before
-these changes (the queue scenario once, KV pressure once); after, 2 of 2 passed, and 1 of 1
-with two `yes`. Under KV pressure the blocks run
-out ~480 tokens before either request would finish.
+these changes (the queue scenario once, KV pressure once); after, 2 of 2 passed, and with two
+`yes` 2 of 2 once the KV-pressure window was widened (see KV_FLAGS). Under KV pressure the
+blocks run out long before either request would finish.
 
 Runs only with EPP_CONTRACT=1 (conftest.py). Each scenario starts its own vLLM (~35 s) and
 stops it at the end of the module.
@@ -297,12 +297,21 @@ def test_a_waiting_request_never_preempts_the_running_one(
 
 # --------------------------------------------------------------------------- KV pressure
 # 6 MiB of KV cache: 96 blocks of 32 tokens, 95 usable (vLLM keeps a null block) = 3,040
-# tokens, still above max_model_len (2,048) so vLLM starts. Two running 2,000-token requests
-# need 126 blocks: they run out when each has decoded ~520 tokens, far from either's end.
+# tokens, which is also max_model_len (the tiny model's positions raised to allow it). The low
+# request alone fits (1,000 + 2,000 tokens = 94 blocks); with the high one (100 + 1,900 = 63
+# blocks) they run out, whenever the high one arrives. The high one is admitted as long as its
+# 4 prompt blocks are free, i.e. until the low one has decoded ~1,900 tokens: that is how long
+# vLLM's API server may take to pass the high request on (a 1,000-token prompt for both, as
+# before, left ~1,000; with two `yes` beside the tier the low request once finished first).
 KV_MAX_NUM_SEQS = 2
-KV_FLAGS = ["--kv-cache-memory-bytes", str(6 * 1024 * 1024)]
-LOW = Job("low", 10, 1000, 1000)
-HIGH = Job("high", 0, 1000, 1000)
+KV_CONTEXT = 3040
+KV_FLAGS = [
+    "--kv-cache-memory-bytes", str(6 * 1024 * 1024),
+    "--hf-overrides", json.dumps({"max_position_embeddings": KV_CONTEXT}),
+    "--max-model-len", str(KV_CONTEXT),
+]  # fmt: skip
+LOW = Job("low", 10, 1000, 2000)
+HIGH = Job("high", 0, 100, 1900)
 
 
 @dataclass(frozen=True)
