@@ -85,15 +85,15 @@ SHARED_INFLIGHT = Gauge(
 )
 SHARED_PICKS = Counter(
     "epp_shared_picks_total",
-    "Prefix-index insertions and session bindings shipped to other epp processes (sent), "
-    "applied from them (applied), unreadable (rejected) or dropped while Redis was "
-    "unreachable for long (dropped).",
+    "Prefix-index insertions, session bindings and health verdicts shipped to other epp "
+    "processes (sent), applied from them (applied), unreadable (rejected) or dropped while "
+    "Redis was unreachable for long (dropped).",
     ["direction"],
 )
 SHARED_PICKS_PENDING = Gauge(
     "epp_shared_picks_pending",
-    "Prefix-index insertions and session bindings made here and not yet in Redis: a few "
-    "between two shipments, growing while Redis is unreachable.",
+    "Prefix-index insertions, session bindings and health verdicts made here and not yet in "
+    "Redis: a few between two shipments, growing while Redis is unreachable.",
 )
 SHARED_PICK_DELAY = Histogram(
     "epp_shared_pick_delay_seconds",
