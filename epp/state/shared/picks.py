@@ -121,9 +121,10 @@ class PickStream:
             self._poll = self._linger = interval
 
     def pending(self) -> int:
-        """Local additions not yet in Redis: in the tables' recent buffers or collected and
-        waiting for a shipment that succeeds. Zero after a reply means that reply's pick
-        reached Redis (the pick is recorded before the answer goes to Envoy)."""
+        """Local additions not yet known to be in Redis: in the tables' recent buffers, or
+        collected and waiting for a shipment to succeed (one under way included: others may
+        read an entry before its pipeline's reply gets here). Zero after a reply means that
+        reply's pick reached Redis (the pick is recorded before the answer goes to Envoy)."""
         return len(self._pending) + sum(c.table.recent_count() for c in self._channels.values())
 
     async def start(self) -> None:
