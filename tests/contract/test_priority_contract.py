@@ -80,13 +80,20 @@ pytestmark = pytest.mark.contract
 
 PRIORITY_FLAGS = ["--scheduling-policy", "priority"]
 MAX_NUM_SEQS = 1
+
+
+def context_flags(tokens: int, kv_cache_bytes: int) -> list[str]:
+    """vLLM flags for a ``tokens`` context (the tiny model's positions raised to match) and a
+    KV cache of ``kv_cache_bytes`` (64 KiB a block)."""
+    return [
+        "--hf-overrides", json.dumps({"max_position_embeddings": tokens}),
+        "--max-model-len", str(tokens),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
+    ]  # fmt: skip
+
+
 # Room for a running request that lasts until the test ends it: 576 blocks of 32 tokens.
-LONG_CONTEXT = 16384
-LONG_CONTEXT_FLAGS = [
-    "--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT}),
-    "--max-model-len", str(LONG_CONTEXT),
-    "--kv-cache-memory-bytes", str(36 * 1024 * 1024),
-]  # fmt: skip
+LONG_CONTEXT_FLAGS = context_flags(16384, 36 * 1024 * 1024)
 # How long the queue stays full before the running request is ended: hundreds of engine steps
 # in which a waiting request could (wrongly) preempt it.
 HOLD_S = 0.5
@@ -304,12 +311,7 @@ def test_a_waiting_request_never_preempts_the_running_one(
 # vLLM's API server may take to pass the high request on (a 1,000-token prompt for both, as
 # before, left ~1,000; with two `yes` beside the tier the low request once finished first).
 KV_MAX_NUM_SEQS = 2
-KV_CONTEXT = 3040
-KV_FLAGS = [
-    "--kv-cache-memory-bytes", str(6 * 1024 * 1024),
-    "--hf-overrides", json.dumps({"max_position_embeddings": KV_CONTEXT}),
-    "--max-model-len", str(KV_CONTEXT),
-]  # fmt: skip
+KV_FLAGS = context_flags(3040, 6 * 1024 * 1024)
 LOW = Job("low", 10, 1000, 2000)
 HIGH = Job("high", 0, 100, 1900)
 
