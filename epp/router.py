@@ -1,10 +1,11 @@
 """From a parsed request to a routing decision: model lookup, candidates, profile, fallbacks.
 
-The router reads only the current :class:`~epp.config.Config` and the store's local snapshot,
-so a decision costs no I/O. The router owns the profile builder: each configuration swap builds
-the selected profile's plugins from the configuration's plain specification; what plugins learn
-lives in the fleet state, so the new instances carry on where the old ones stopped. A request
-that already started keeps the objects it captured.
+The router reads only a :class:`~epp.generation.Generation` (a configuration and its profile)
+and the store's local snapshot, so a decision costs no I/O. Each configuration swap builds a new
+generation; a stream keeps the one it captured when it opened, so a request is admitted and
+routed under one configuration. What plugins learn lives in the fleet state, so the new
+instances carry on where the old ones stopped. Which endpoints serve a model is always the
+current answer (discovery changes it under running streams).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from epp.admission.flow_queue import QueueLimits
 from epp.admission.spillover import inflight_key
 from epp.config import Config
 from epp.discovery.settling import Settling
+from epp.generation import Generation, merged
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
@@ -39,8 +41,7 @@ from epp.observability import (
     child,
 )
 from epp.request import InferenceRequest, LatencyTarget
-from epp.scheduling import Cycle, Decision, Profile, build_profile
-from epp.scheduling.filters.latency_target import LatencyTargetFilter
+from epp.scheduling import Cycle, Decision
 from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.scheduling.scorers.latency import LATENCY_TARGET
 from epp.state import EndpointState
@@ -85,29 +86,17 @@ class Router:
 
     @property
     def config(self) -> Config:
-        return self._config
+        """The current configuration (a stream reads the one its :class:`Generation` holds)."""
+        return self._gen.config
 
     @config.setter
     def config(self, config: Config) -> None:
-        # Everything derived from the config is rebuilt together and swapped at once.
-        self._profile = build_profile(config.scheduling.selected)
-        self._needs_preparation = (
-            bool(self._profile.prepare)
-            or config.flow_control.mode == "queue"
-            or config.budgets.enabled
-        )
-        self._default_target = next(
-            (f.default_target for f in self._profile.filters if isinstance(f, LatencyTargetFilter)),
-            LatencyTarget(),
-        )
-        # The target of a request without latency headers, by objective ('' for none).
-        self._objective_targets = {
-            name: _merged(self._default_target, config.request.objective_targets.get(name))
-            for name in ("", *config.request.objective_targets)
-        }
-        self._models_body = _models_body(config)
+        # Everything derived from the config is rebuilt together and swapped at once; streams
+        # already open keep the generation they captured.
+        self._gen = Generation.build(config)
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
+        self._models_body = _models_body(config)
         # Each model's pools and the share of an arrival each gets, settled per configuration
         # (routed requests count their demand on every pick).
         self._arrival_shares = {m: _shares(a, self._pools) for m, a in self._candidates.items()}
@@ -117,36 +106,34 @@ class Router:
         }
         self.demand.policy = config.autoscaling
         self.demand.forget(set(config.pools))
-        self._config = config
         self.flow.limits = config.flow_control.limits
         self.flow.use_group = config.flow_control.scope == "group"
         self.budgets.policy = config.budgets
 
     @property
-    def profile(self) -> Profile:
-        """The selected profile's plugins, built from the current configuration."""
-        return self._profile
+    def generation(self) -> Generation:
+        """The current configuration with its profile: what a stream opening now captures."""
+        return self._gen
 
     def models_body(self) -> bytes:
         """The ``GET /v1/models`` answer: every configured model across all pools."""
         return self._models_body
 
-    def needs_preparation(self) -> bool:
-        """Whether requests must pass through :meth:`prepare` and :meth:`admit` (awaited)
-        before :meth:`route` (settled once per configuration: asked once a request)."""
-        return self._needs_preparation
-
-    async def admit(self, request: InferenceRequest) -> Charge | None:
+    async def admit(
+        self, request: InferenceRequest, gen: Generation | None = None
+    ) -> Charge | None:
         """Charge the request to its tenant's budget (429 when it is spent), then, with flow
         control on, wait until the request's pool has room; raise a 429/503
         :class:`~epp.errors.RequestError` when either refuses it. Route right after this
         returns (no await in between), so the dispatcher sees the request in flight. Returns
-        the budget charge (None: the tenant has no budget), for the response's usage."""
-        charge = self._charge(request)
+        the budget charge (None: the tenant has no budget), for the response's usage. ``gen``:
+        the generation the request's stream captured (default: the current one)."""
+        gen = gen or self._gen
+        charge = self._charge(request, gen.config)
         if (
-            self._config.flow_control.mode == "queue"
+            gen.config.flow_control.mode == "queue"
             and request.model in self._candidates
-            and self.spill_target(request) is None
+            and self.spill_target(request, gen) is None
         ):
             # Demand counts on arrival, before any wait: requests held for a pool with no
             # ready replica are what must scale it from zero.
@@ -160,14 +147,14 @@ class Router:
                 raise
         return charge
 
-    def _charge(self, request: InferenceRequest) -> Charge | None:
+    def _charge(self, request: InferenceRequest, config: Config) -> Charge | None:
         """Spend one request and its expected tokens from the tenant's budget, or raise the
         429 that names the budget that ran out."""
         tenant = request.fairness_id
         verdict = self.budgets.charge(tenant, request.expected_tokens(), time.monotonic())
         if verdict is None:
             return None
-        label = self._config.budgets.label(tenant)
+        label = config.budgets.label(tenant)
         for kind in ("requests", "tokens"):
             remaining = verdict.headers.get(f"x-ratelimit-remaining-{kind}")
             if remaining is not None:
@@ -197,7 +184,7 @@ class Router:
         # endpoints left. Unless all are ejected: then the filter keeps them all, and so do we.
         health = self.fleet.health
         candidates = [c for c in candidates if health.admits(c.address, now)] or candidates
-        saturated = self._config.admission.saturated(
+        saturated = self._gen.config.admission.saturated(
             candidates, now, self.fleet.inflight.load, sheddable
         )
         POOL_SATURATION.labels(model).set(float(saturated))
@@ -212,14 +199,14 @@ class Router:
         affinity above all) would still pick a full one, the pool would still have room, and
         the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
         Dispatch)."""
-        full = self._config.admission.endpoint_full
+        full = self._gen.config.admission.endpoint_full
         load = self.fleet.inflight.load
         return [c for c in candidates if not full(c, now, load(c.address), sheddable)] or candidates
 
-    def spill_target(self, request: InferenceRequest) -> str | None:
+    def spill_target(self, request: InferenceRequest, gen: Generation | None = None) -> str | None:
         """The overflow pool ``request`` goes to instead of its saturated home pool, or None
         (docs/admission.md, spillover). Only spill-eligible objectives ever spill."""
-        config = self._config
+        config = (gen or self._gen).config
         if request.objective not in config.request.spill_objectives:
             return None
         endpoints = self.fleet.store.snapshot().endpoints
@@ -237,10 +224,10 @@ class Router:
         REQUESTS.add((request.model, "spilled"))
         return self.fleet.inflight.add(inflight_key(overflow), request.expected_tokens())
 
-    async def prepare(self, request: InferenceRequest) -> None:
+    async def prepare(self, request: InferenceRequest, gen: Generation | None = None) -> None:
         """Await what the profile's plugins need before scoring (a long prompt's tokens); a
         failure here only costs the request that plugin's information, never the request."""
-        for plugin in self._profile.prepare:
+        for plugin in (gen or self._gen).profile.prepare:
             try:
                 await plugin.prepare(request, self.fleet)
             except Exception:
@@ -254,20 +241,24 @@ class Router:
         subset: Sequence[str] | None = None,
         laps: list[Lap] | None = None,
         defer: list[Callable[[], None]] | None = None,
+        gen: Generation | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
         The returned ticket counts the request as in flight on the chosen endpoint until it is
         passed to :meth:`finish`. ``laps`` (a traced request's) receives the plugins' timings.
         With ``defer``, the profile's post-pick bookkeeping (prefix index, session binding) is
-        appended to it instead of run (:meth:`Profile.run`).
+        appended to it instead of run (:meth:`Profile.run`). ``gen``: the generation the
+        request's stream captured (default: the current one); which endpoints serve the model
+        is always the current answer.
         """
         started = time.perf_counter()
-        config = self._config
+        gen = gen or self._gen
+        config = gen.config
         addresses = self._candidates.get(request.model)
         if addresses is None:
-            raise errors.model_not_found(request.model, list(config.models))
-        if config.models[request.model].lora:
+            raise errors.model_not_found(request.model, list(self._candidates))
+        if self._gen.config.models[request.model].lora:
             request.lora = request.model
         if subset is not None:
             allowed = set(subset)
@@ -286,7 +277,7 @@ class Router:
         cycle = Cycle(snapshot, self.fleet, self._capacities(config))
         if config.flow_control.mode == "queue":
             candidates = self._with_room(candidates, request.priority < 0, cycle.now)
-        target = self._target(request, config)
+        target = _target(request, gen)
         if target is not None:
             cycle.put(LATENCY_TARGET, target)
         if (
@@ -296,7 +287,7 @@ class Router:
         ):
             raise errors.overloaded(request.model)
         explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
-        decision = self._profile.run(
+        decision = gen.profile.run(
             request,
             candidates,
             cycle,
@@ -343,7 +334,7 @@ class Router:
         health = self.fleet.health
         ready = [
             a
-            for a in self._config.pools.get(pool, ())
+            for a in self._gen.config.pools.get(pool, ())
             if (state := endpoints.get(a)) is not None and state.ready and health.admits(a, now)
         ]
         if not ready:
@@ -358,22 +349,6 @@ class Router:
         PICKS.add((pool, address))
         REQUESTS.add(("", "passthrough"))
         return self.fleet.inflight.add(address, 0)
-
-    def _target(self, request: InferenceRequest, config: Config) -> LatencyTarget | None:
-        """The request's latency targets, each kind (TTFT, TPOT) from the first source that
-        sets it: a trusted caller's header, the request's objective, the profile's default
-        (the latency-target-filter's); None when no source sets any. Without headers the
-        answer depends on the objective alone: merged once per configuration."""
-        ttft = tpot = None
-        if config.request.trusted_headers:
-            headers = request.headers
-            ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
-            tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
-        if ttft is None and tpot is None:
-            targets = self._objective_targets
-            return targets.get(request.objective, targets[""])
-        objective = config.request.objective_targets.get(request.objective)
-        return _merged(self._default_target, objective, ttft, tpot)
 
     def _capacities(self, config: Config) -> Mapping[str, float]:
         """Endpoint capacities for scorers: configured weights, and where a pool gives none
@@ -520,6 +495,24 @@ def _models_body(config: Config) -> bytes:
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
 
 
+def _target(request: InferenceRequest, gen: Generation) -> LatencyTarget | None:
+    """The request's latency targets, each kind (TTFT, TPOT) from the first source that sets
+    it: a trusted caller's header, the request's objective, the profile's default (the
+    latency-target-filter's); None when no source sets any. Without headers the answer depends
+    on the objective alone: merged once per generation."""
+    config = gen.config
+    ttft = tpot = None
+    if config.request.trusted_headers:
+        headers = request.headers
+        ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
+        tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
+    if ttft is None and tpot is None:
+        targets = gen.objective_targets
+        return targets.get(request.objective, targets[""])
+    objective = config.request.objective_targets.get(request.objective)
+    return merged(gen.default_target, objective, ttft, tpot)
+
+
 def _header_seconds(raw: str | None) -> float | None:
     """A latency-target header's milliseconds as seconds; None when absent or not a positive
     finite number (a bad header is no target, never a refusal)."""
@@ -530,25 +523,6 @@ def _header_seconds(raw: str | None) -> float | None:
     except ValueError:
         return None
     return value / 1000 if math.isfinite(value) and value > 0 else None
-
-
-def _merged(
-    default: LatencyTarget,
-    objective: LatencyTarget | None,
-    ttft: float | None = None,
-    tpot: float | None = None,
-) -> LatencyTarget | None:
-    """Each kind from the first that sets it: the headers' ``ttft``/``tpot``, the objective's,
-    the profile default's; None when none sets any."""
-    objective = objective or LatencyTarget()
-    target = LatencyTarget(
-        _first(ttft, objective.ttft, default.ttft), _first(tpot, objective.tpot, default.tpot)
-    )
-    return target if target else None
-
-
-def _first(*values: float | None) -> float | None:
-    return next((v for v in values if v is not None), None)
 
 
 def _kinds(target: LatencyTarget) -> list[str]:

@@ -66,12 +66,12 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
         """Await the request's preparation and flow control, then route or refuse it."""
         trace = handler.trace
         started = time.perf_counter() if trace is not None else 0.0
-        await self._router.prepare(request)
+        await self._router.prepare(request, handler.generation)
         refusal = None
         try:
             # Held here while the pool is saturated; a client that goes away cancels this
             # coroutine, which takes it out of the queue.
-            handler.charge = await self._router.admit(request)
+            handler.charge = await self._router.admit(request, handler.generation)
         except errors.RequestError as error:
             refusal = error
         if trace is not None:
@@ -79,7 +79,7 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 "epp.admission",
                 started,
                 {
-                    "epp.admission.mode": self._router.config.flow_control.mode,
+                    "epp.admission.mode": handler.generation.config.flow_control.mode,
                     "epp.priority": request.priority,
                 },
                 None if refusal is None else refusal.message,

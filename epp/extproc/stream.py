@@ -41,6 +41,7 @@ from epp.extproc import responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, Outcome, ResponseObserver
+from epp.generation import Generation
 from epp.observability import (
     MOVED,
     OBJECTIVE_REQUESTS,
@@ -102,6 +103,7 @@ class StreamHandler:
         "_deferred",
         "_done",
         "_full_duplex",
+        "_gen",
         "_headers",
         "_observer",
         "_passing",
@@ -122,6 +124,8 @@ class StreamHandler:
 
     def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter) -> None:
         self._router = router
+        # The configuration this stream started with, kept to its end whatever reloads.
+        self._gen = router.generation
         # Latency timings read this clock when a message arrives (tests drive it by hand).
         self._clock = clock
         self._started = 0.0
@@ -160,6 +164,11 @@ class StreamHandler:
         self.charge: Charge | None = None
 
     @property
+    def generation(self) -> Generation:
+        """The configuration (and profile) the stream captured when it opened."""
+        return self._gen
+
+    @property
     def trace(self) -> RequestTrace | None:
         return self._trace
 
@@ -196,13 +205,13 @@ class StreamHandler:
         tracing = self._router.tracing
         if tracing is not None:
             self._trace = tracing.begin(self._headers)
-        passthrough = self._router.config.routing.passthrough_pool(self._headers.get(":path", ""))
+        passthrough = self._gen.config.routing.passthrough_pool(self._headers.get(":path", ""))
         if passthrough is not None:
             return self._pass_through(passthrough)
         if message.request_headers.end_of_stream:
             self._done = True
             return (self._header_only(),)
-        refusal = check_headers(self._headers, self._router.config.routing.max_body_bytes)
+        refusal = check_headers(self._headers, self._gen.config.routing.max_body_bytes)
         if refusal is not None:
             self._done = True
             return (self._refuse(refusal),)
@@ -224,7 +233,7 @@ class StreamHandler:
         if chunk:
             self._body.append(chunk)
             self._body_size += len(chunk)
-            limit = self._router.config.routing.max_body_bytes
+            limit = self._gen.config.routing.max_body_bytes
             if self._body_size > limit:
                 self._done = True
                 self._body.clear()
@@ -359,7 +368,7 @@ class StreamHandler:
 
     def _objective(self, request: InferenceRequest) -> str:
         """The request's objective when it is a configured one ('' otherwise): bounded."""
-        policy = self._router.config.request
+        policy = self._gen.config.request
         name = request.headers.get(policy.objective_header, "")
         return name if name in policy.objectives else ""
 
@@ -377,7 +386,7 @@ class StreamHandler:
         trace = self._trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
-            config = self._router.config
+            config = self._gen.config
             request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, config.request, config.models
             )
@@ -400,7 +409,7 @@ class StreamHandler:
             )
         if rewritten is not None:
             chunks = [rewritten]
-        if self._router.needs_preparation():
+        if self._gen.needs_preparation:
             self.pending = Pending(request, chunks, tuple(after), rewritten is not None)
             return ()
         return self._route(request, chunks, after, rewritten is not None)
@@ -408,7 +417,7 @@ class StreamHandler:
     def _rewrite_body(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
         """The body to forward instead of the client's, or None to forward it unchanged: one
         re-serialisation for every change epp makes (the engine priority, the usage option)."""
-        changed = self._router.config.request.engine_priority and set_engine_priority(request, data)
+        changed = self._gen.config.request.engine_priority and set_engine_priority(request, data)
         asked_usage = self._ask_for_usage(request, data)
         self._usage_expected = _expects_usage(request, data)
         if not (changed or asked_usage):
@@ -430,7 +439,7 @@ class StreamHandler:
         usage gets ``stream_options.include_usage`` (True when ``data`` was changed) and the
         usage chunk it brings is later removed from what the client receives."""
         if not (
-            self._router.config.routing.inject_stream_usage
+            self._gen.config.routing.inject_stream_usage
             and request.stream
             and request.api in _USAGE_OPTION_APIS
         ):
@@ -467,7 +476,7 @@ class StreamHandler:
     ) -> Sequence[Response]:
         """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
         rewritten body (the only chunk then) in buffered mode."""
-        overflow = self._router.spill_target(request)
+        overflow = self._router.spill_target(request, self._gen)
         if overflow is not None:
             return self._spill(request, chunks, after, rewritten, overflow)
         fleet = self._router.fleet
@@ -475,7 +484,11 @@ class StreamHandler:
         started = time.perf_counter() if trace is not None else 0.0
         try:
             decision, ticket = self._router.route(
-                request, self._subset, None if trace is None else trace.laps, self._deferred
+                request,
+                self._subset,
+                None if trace is None else trace.laps,
+                self._deferred,
+                self._gen,
             )
         except RequestError as error:
             if trace is not None:
@@ -502,7 +515,7 @@ class StreamHandler:
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self._headers, _REMOVED)
         scores = None
-        routing = self._router.config.routing
+        routing = self._gen.config.routing
         if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
@@ -518,7 +531,7 @@ class StreamHandler:
         )
 
     def _profile_attributes(self) -> dict[str, str]:
-        return {"epp.profile": self._router.config.scheduling.profile}
+        return {"epp.profile": self._gen.config.scheduling.profile}
 
     def _spill(
         self,

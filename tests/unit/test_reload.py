@@ -111,13 +111,13 @@ async def test_reload_keeps_learned_state_and_applies_a_new_scrape_interval(
     assert backlog is not None
 
     # An unchanged file: new plugin instances, the same memory.
-    old_profile = server.router.profile
+    old_profile = server.router.generation.profile
     write(path, replica, prefix, SLOW)
     assert await server.reload()
-    assert server.router.profile is not old_profile
+    assert server.router.generation.profile is not old_profile
     assert (fleet.prefix.size(address), fleet.sessions.get("s1", time.time())) == learned
     assert fleet.prefill.get(address) == backlog
-    (ttft,) = [s for s, _ in server.router.profile.scorers if isinstance(s, TtftScorer)]
+    (ttft,) = [s for s, _ in server.router.generation.profile.scorers if isinstance(s, TtftScorer)]
     assert ttft.backlog(address, Cycle(server.store.snapshot(), fleet, now=backlog[1])) > 0
     assert server.scraper.timing[0] == SLOW
 

@@ -92,16 +92,17 @@ async def test_buffered_routes_in_body_response() -> None:
 
 
 async def test_full_duplex_holds_headers_then_streams_body_back_in_chunks() -> None:
-    handler = StreamHandler(await make_router())
-    assert handler.handle(headers_msg(mode=FULL_DUPLEX)) == ()
-    prompt = "x" * 150_000
-    big = json.dumps({"model": "tiny", "prompt": prompt}).encode()
-    handler._router.config = parse_config(  # allow a large body for this test
+    router = await make_router()
+    router.config = parse_config(  # allow a large body for this test
         {
             "models": {"tiny": {"pools": ["main"]}},
             "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
         }
     )
+    handler = StreamHandler(router)
+    assert handler.handle(headers_msg(mode=FULL_DUPLEX)) == ()
+    prompt = "x" * 150_000
+    big = json.dumps({"model": "tiny", "prompt": prompt}).encode()
     assert handler.handle(body_msg(big[:100_000], eos=False)) == ()
     answers = handler.handle(body_msg(big[100_000:], eos=True))
     header, meta = destination(answers[0], "request_headers")
@@ -241,7 +242,7 @@ async def test_a_profile_with_preparation_holds_the_request_until_resumed() -> N
             },
         }
     )
-    assert router.needs_preparation()
+    assert router.generation.needs_preparation
     handler = StreamHandler(router)
     handler.handle(headers_msg(mode=FULL_DUPLEX))
     assert handler.handle(body_msg(BODY, eos=False)) == ()
