@@ -26,6 +26,7 @@ from epp.admission.spillover import inflight_key
 from epp.config import Config
 from epp.discovery.settling import Settling
 from epp.generation import Generation, merged
+from epp.hooks import standard_lifecycle
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
@@ -48,7 +49,6 @@ from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
 from epp.state.latency import Basis, ttft_features
-from epp.state.moves import PickRecord
 from epp.tracing import Tracing
 from epp.wire import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
@@ -72,6 +72,10 @@ class Router:
         # Tenant budgets: what each tenant spent and holds leased (docs/admission.md).
         self.budgets = Budgets(config.budgets)
         self.config = config
+        # What finished responses teach: metrics, budgets, demand, latency, passive health.
+        self.lifecycle, self.learning = standard_lifecycle(
+            fleet, self.budgets, self.demand, lambda: self._pools, lambda: self._gen.config.pools
+        )
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Set by the server when the configuration turns tracing on (epp.tracing).
         self.tracing: Tracing | None = None
@@ -164,11 +168,6 @@ class Router:
             raise verdict.error()
         child(BUDGET_ADMITTED, label).inc()
         return verdict
-
-    def used(self, charge: Charge, tokens: int) -> None:
-        """The charged request's response reported its usage: ``tokens`` prompt + completion
-        tokens (the estimate charged at admission is corrected)."""
-        self.budgets.correct(charge, tokens)
 
     def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
         """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;
@@ -362,70 +361,6 @@ class Router:
             self._weights = (learned, config.weights, merged)
         return merged
 
-    def first_token(self, pick: PickRecord, at: float, usage_expected: bool = False) -> None:
-        """The response of ``pick`` delivered its first token at ``at`` (the clock of
-        ``pick.picked_at``): its prefill is no longer queued, and the latency model learns how
-        long it took. With ``usage_expected`` (the response will end with usage) and an
-        endpoint that reports its engine's cached tokens, the TTFT is held in
-        ``pick.ttft_held`` and learned by :meth:`responded` with the engine's uncached count;
-        otherwise at once, with epp's estimate."""
-        ticket = pick.ticket
-        if not ticket.waiting:
-            return
-        inflight = self.fleet.inflight
-        pick.ticket = inflight.prefilled(ticket)
-        pick.decoding = inflight.load(ticket.endpoint).decoding
-        basis = ticket.basis
-        if basis is not None:
-            seconds = at - pick.picked_at
-            latency = self.fleet.latency
-            if usage_expected and latency.engine_cached(ticket.endpoint):
-                pick.ttft_held = seconds
-            else:
-                latency.observe_ttft(ticket.endpoint, basis, seconds, time.time())
-            target = basis.target
-            if target is not None and target.ttft is not None:
-                met = "met" if seconds <= target.ttft else "missed"
-                LATENCY_TARGETS.add((basis.objective, "ttft", met))
-
-    def responded(
-        self, pick: PickRecord, prompt: int | None = None, cached: int | None = None
-    ) -> None:
-        """The response of ``pick`` ended (or its stream closed) with usage of ``prompt``
-        prompt tokens, ``cached`` of them cached by the engine (None: no usage seen, no cached
-        count reported; plain numbers, not the response path's ``Usage``, so the router does
-        not depend on epp.extproc). The latency model learns whether the endpoint reports the
-        engine's cached tokens, and a TTFT :meth:`first_token` held is observed now: ``U`` the
-        engine's ``prompt - cached`` when both are known, else epp's estimate at the pick (a
-        response cut short still teaches its TTFT)."""
-        endpoint = pick.ticket.endpoint
-        latency = self.fleet.latency
-        if prompt is not None:
-            latency.saw_usage(endpoint, cached is not None)
-        seconds = pick.ttft_held
-        basis = pick.ticket.basis
-        if seconds is None or basis is None:
-            return
-        pick.ttft_held = None
-        if prompt is not None and cached is not None:
-            basis = basis.with_uncached(max(0, prompt - cached))
-        latency.observe_ttft(endpoint, basis, seconds, time.time())
-
-    def decoded(self, pick: PickRecord, tpot: float) -> None:
-        """The response of ``pick`` finished decoding at ``tpot`` seconds per token."""
-        basis = pick.ticket.basis
-        if basis is None:
-            return
-        target = basis.target
-        if target is not None and target.tpot is not None:
-            met = "met" if tpot <= target.tpot else "missed"
-            LATENCY_TARGETS.add((basis.objective, "tpot", met))
-        if not pick.decoding:
-            return
-        endpoint = pick.ticket.endpoint
-        batch = (pick.decoding + self.fleet.inflight.load(endpoint).decoding) / 2
-        self.fleet.latency.observe_tpot(endpoint, batch, tpot, time.time())
-
     def _remember(self, request: InferenceRequest, decision: Decision) -> None:
         record = {
             "request_id": request.request_id,
@@ -468,12 +403,6 @@ class Router:
             shares = _shares(addresses, self._pools)
         for pool, share in shares:
             self.demand.arrived(pool, share)
-
-    def served(self, endpoint: str, seconds: float) -> None:
-        """A response from ``endpoint`` completed in ``seconds``: its pool's service rate."""
-        pool = self._pools.get(endpoint)
-        if pool is not None:
-            self.demand.completed(pool, seconds)
 
     def finish(self, ticket: Ticket) -> None:
         """The request's stream ended: its work no longer counts against the endpoint."""

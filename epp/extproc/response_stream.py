@@ -21,10 +21,10 @@ complete events are forwarded byte for byte, the unfinished tail is held until i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from epp.extproc.sse import SseDecoder
-from epp.extproc.usage import Usage, carries_token, decode, is_usage_only, usage_of
+from epp.extproc.usage import carries_token, decode, is_usage_only, usage_of
+from epp.lifecycle import Outcome, Usage
 from epp.wire import SERVED
 
 # A JSON body is parsed for its usage only up to this size; larger ones are passed unread.
@@ -32,22 +32,6 @@ MAX_JSON_BYTES = 8 * 1024 * 1024
 # The response headers :meth:`ResponseObserver.on_headers` reads (the stream handler decodes
 # no other header's value).
 RESPONSE_HEADERS_READ = frozenset((SERVED, ":status", "content-length", "content-type"))
-
-
-@dataclass(slots=True)
-class Outcome:
-    """The facts of one finished (or abandoned) response."""
-
-    served: str | None
-    status: int
-    seconds: float
-    complete: bool
-    streamed: bool
-    usage: Usage | None = None
-    ttft: float | None = None
-    tpot: float | None = None
-    # Gaps between consecutive token events, in order.
-    itl: list[float] = field(default_factory=list)
 
 
 class ResponseObserver:

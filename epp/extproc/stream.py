@@ -38,10 +38,10 @@ from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.admission.budgets import Charge
 from epp.errors import RequestError
 from epp.extproc import responses
-from epp.extproc.passive_health import judge, judge_retry
-from epp.extproc.response_metrics import record
-from epp.extproc.response_stream import RESPONSE_HEADERS_READ, Outcome, ResponseObserver
+from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
 from epp.generation import Generation
+from epp.hooks.passive_health import judge_retry
+from epp.lifecycle import Finished, Outcome
 from epp.observability import (
     MOVED,
     OBJECTIVE_REQUESTS,
@@ -290,7 +290,7 @@ class StreamHandler:
             forward = observer.on_body(chunk, now, end)
             first = observer.first_token
             if first is not None and self.pick is not None and self.pick.ticket.waiting:
-                self._router.first_token(self.pick, first, self._usage_expected)
+                self._router.learning.first_token(self.pick, first, self._usage_expected)
             if end or observer.body_complete:
                 self._response_ended = now
         if not self._response_full_duplex:
@@ -333,28 +333,16 @@ class StreamHandler:
             return
         self._observer = None
         outcome = observer.finish(self._clock() if at is None else at, complete)
-        record(outcome, request.model, self._objective(request))
-        if self.charge is not None and outcome.usage is not None:
-            self._router.used(self.charge, outcome.usage.prompt + outcome.usage.completion)
-        if outcome.served is not None and outcome.complete and outcome.status < 400:
-            # A stream's time after its first token is the replica's work; the time before it
-            # is mostly the queue, which must not inflate the service time.
-            self._router.served(outcome.served, outcome.seconds - (outcome.ttft or 0.0))
-            if outcome.tpot is not None and self.pick is not None:
-                self._router.decoded(self.pick, outcome.tpot)
-        if self.pick is not None and self._spilled is None:
-            # Learns with the engine's cached tokens a TTFT held for them (Router.responded).
-            usage = outcome.usage
-            if usage is None:
-                self._router.responded(self.pick)
-            else:
-                self._router.responded(self.pick, usage.prompt, usage.cached)
-        endpoint = outcome.served or (self.pick.endpoint if self.pick is not None else None)
-        if endpoint is not None and self._spilled is None:
-            fleet = self._router.fleet
-            # A retry moved the pick to the served endpoint without its count (move_pick).
-            ahead = self.pick.prefill_ahead if self.pick is not None else None
-            judge(fleet.health, self._router.config.pools, endpoint, outcome, time.time(), ahead)
+        self._router.lifecycle.finished(
+            Finished(
+                request,
+                outcome,
+                self._objective(request),
+                self.pick,
+                self._spilled is not None,
+                self.charge,
+            )
+        )
         if self._trace is not None:
             self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
 

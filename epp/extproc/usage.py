@@ -10,17 +10,11 @@ cached tokens are None, not 0, so metrics do not claim a cache miss nobody measu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt: int
-    completion: int
-    cached: int | None = None
+from epp.lifecycle import Usage
 
 
 def _count(value: Any) -> int | None:

@@ -128,7 +128,7 @@ async def test_the_header_sets_the_target_and_attainment_is_counted() -> None:
     assert ticket.basis is not None
     assert ticket.basis.target == LatencyTarget(ttft=pytest.approx(0.2))
     met = _sample("met")
-    r.first_token(PickRecord(ticket, picked_at=10.0), 10.1)
+    r.learning.first_token(PickRecord(ticket, picked_at=10.0), 10.1)
     assert _sample("met") == met + 1
     refused = _sample("refused")
     with pytest.raises(RequestError) as raised:
@@ -167,8 +167,8 @@ async def test_tpot_attainment_is_counted_per_objective() -> None:
     r = await router()
     _, ticket = r.route(req("x" * 4000, model="tiny", objective="chat"))
     met, missed = _sample("met", "chat", "tpot"), _sample("missed", "chat", "tpot")
-    r.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.015)
-    r.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.025)
+    r.learning.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.015)
+    r.learning.decoded(PickRecord(ticket, picked_at=10.0, decoding=1), 0.025)
     assert (_sample("met", "chat", "tpot"), _sample("missed", "chat", "tpot")) == (
         met + 1,
         missed + 1,

@@ -1,9 +1,9 @@
-"""What a response counts as for passive health (epp.extproc.passive_health)."""
+"""What a response counts as for passive health (epp.hooks.passive_health)."""
 
 from __future__ import annotations
 
-from epp.extproc.passive_health import judge, judge_retry
-from epp.extproc.response_stream import Outcome
+from epp.hooks.passive_health import judge, judge_retry
+from epp.lifecycle import Outcome
 from epp.state.health import HealthConfig, HealthTracker
 
 POOLS = {"main": ("a", "b")}

@@ -13,7 +13,7 @@ from epp._proto import core_pb2, ext_proc_pb2, processing_mode_pb2
 from epp.extproc.response_stream import ResponseObserver
 from epp.extproc.responses import CONTINUE_RESPONSE_BODY
 from epp.extproc.stream import StreamHandler
-from epp.extproc.usage import Usage
+from epp.lifecycle import Usage
 from epp.prefix.approximate import ApproximatePrefixIndex
 from epp.state.fleet import FleetState
 from epp.state.moves import PickRecord, Recording, move_pick

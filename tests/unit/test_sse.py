@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from epp.extproc.sse import SseDecoder
-from epp.extproc.usage import Usage, carries_token, decode, is_usage_only, usage_of
+from epp.extproc.usage import carries_token, decode, is_usage_only, usage_of
+from epp.lifecycle import Usage
 
 
 def _chunk(text: str, usage: dict[str, object] | None = None) -> bytes:

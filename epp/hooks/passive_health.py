@@ -18,10 +18,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 
-from epp.extproc.response_stream import Outcome
+from epp.lifecycle import Finished, Outcome
 from epp.state.health import HealthTracker, pool_of
+
+Pools = Callable[[], Mapping[str, Collection[str]]]
+
+
+class PassiveHealth:
+    """Response hook: judge the endpoint that served (:func:`judge`); ``pools`` gives the
+    current pool membership (discovery changes it under running streams)."""
+
+    name = "passive-health"
+
+    def __init__(self, tracker: HealthTracker, pools: Pools) -> None:
+        self._tracker = tracker
+        self._pools = pools
+
+    def finished(self, done: Finished) -> None:
+        pick = done.pick
+        endpoint = done.outcome.served or (pick.endpoint if pick is not None else None)
+        if endpoint is None or done.spilled:
+            return
+        # A retry moved the pick to the served endpoint without its count (move_pick).
+        ahead = pick.prefill_ahead if pick is not None else None
+        judge(self._tracker, self._pools(), endpoint, done.outcome, time.time(), ahead)
 
 
 def latency_sample(outcome: Outcome, ahead: int | None, prompt_tokens: int) -> float | None:

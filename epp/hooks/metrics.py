@@ -1,9 +1,18 @@
-"""Turn one response's :class:`~epp.extproc.response_stream.Outcome` into metrics."""
+"""Turn one response's :class:`~epp.lifecycle.Outcome` into metrics."""
 
 from __future__ import annotations
 
 from epp import observability as m
-from epp.extproc.response_stream import Outcome
+from epp.lifecycle import Finished, Outcome
+
+
+class ResponseMetrics:
+    """Response hook: the GIE/llm-d response metrics (docs/metrics.md)."""
+
+    name = "metrics"
+
+    def finished(self, done: Finished) -> None:
+        record(done.outcome, done.request.model, done.objective)
 
 
 def record(outcome: Outcome, model: str, objective: str) -> None:

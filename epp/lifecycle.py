@@ -1,0 +1,98 @@
+"""The response side of a request's lifecycle: what a finished response showed, and the hooks
+that learn from it.
+
+The stream state machine (:mod:`epp.extproc.stream`) only translates Envoy's messages: when a
+response has ended (or its stream closed first) it builds one :class:`Finished` and hands it
+to every registered :class:`ResponseHook`, in registration order, after the last answer went
+out. Metrics, the budget correction, the autoscaling demand, the latency model and passive
+health are such hooks, each in the package of the feature it serves; a new response-side job
+is a new hook registered with :class:`Lifecycle`, not an edit of the stream handler. A hook
+that raises costs what it would have recorded, never the request or the hooks after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from epp.admission.budgets import Charge
+from epp.request import InferenceRequest
+from epp.state.moves import PickRecord
+
+log = logging.getLogger("epp.lifecycle")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A response's token usage; ``cached`` is None when the engine did not report it."""
+
+    prompt: int
+    completion: int
+    cached: int | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The facts of one finished (or abandoned) response."""
+
+    served: str | None
+    status: int
+    seconds: float
+    complete: bool
+    streamed: bool
+    usage: Usage | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    # Gaps between consecutive token events, in order.
+    itl: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One request's response as the hooks see it, once its stream is done."""
+
+    request: InferenceRequest
+    outcome: Outcome
+    # The request's objective when it is a configured one ('' otherwise): a bounded label.
+    objective: str
+    # The pick's footprint (moved to the served endpoint after a retry); None: not picked.
+    pick: PickRecord | None = None
+    # Sent to an overflow pool: none of our replicas served it, so none learns from it.
+    spilled: bool = False
+    # What admission charged to the tenant's budget (None: the tenant has no budget).
+    charge: Charge | None = None
+
+
+class ResponseHook(Protocol):
+    """Learns from finished responses (runs off the answer path, once per request)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def finished(self, done: Finished) -> None: ...
+
+
+class Lifecycle:
+    """The registered response hooks, run in order for each finished response."""
+
+    def __init__(self, hooks: Iterable[ResponseHook] = ()) -> None:
+        self._hooks: list[ResponseHook] = list(hooks)
+
+    @property
+    def hooks(self) -> tuple[ResponseHook, ...]:
+        return tuple(self._hooks)
+
+    def register(self, hook: ResponseHook) -> None:
+        """Run ``hook`` for every response that finishes from now on, after those before it."""
+        self._hooks.append(hook)
+
+    def finished(self, done: Finished) -> None:
+        for hook in self._hooks:
+            try:
+                hook.finished(done)
+            except Exception:
+                log.exception(
+                    "response hook %s failed for request %s", hook.name, done.request.request_id
+                )
