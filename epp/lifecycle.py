@@ -1,5 +1,5 @@
-"""The response side of a request's lifecycle: what a finished response showed, and the hooks
-that learn from it.
+"""A request's lifecycle: the context it carries, what its response showed, and the hooks that
+learn from it.
 
 The stream state machine (:mod:`epp.extproc.stream`) only translates Envoy's messages: when a
 response has ended (or its stream closed first) it builds one :class:`Finished` and hands it
@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from epp.admission.budgets import Charge
+from epp.generation import Generation
 from epp.request import InferenceRequest
 from epp.state.moves import PickRecord
+from epp.tracing import RequestTrace
 
 log = logging.getLogger("epp.lifecycle")
 
@@ -49,20 +51,63 @@ class Outcome:
     itl: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class RequestContext:
+    """Everything one request carries from its stream's first message to its last.
+
+    The stream state machine fills it in as the request goes: the configuration captured when
+    the stream opened (kept to its end whatever reloads), the headers, the parsed request,
+    what admission charged, the pick and where the request went; the response hooks read it
+    in :class:`Finished`."""
+
+    generation: Generation
+    # The stream's clock when the request headers arrived (latency timings count from it).
+    started: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    # The gateway's allowed endpoints (``envoy.lb.subset_hint``), None when absent.
+    subset: list[str] | None = None
+    # Once the body is parsed.
+    request: InferenceRequest | None = None
+    # What admission charged to the tenant's budget (None: the tenant has no budget). Its
+    # x-ratelimit-* headers go on the response, its tokens are corrected by usage.
+    charge: Charge | None = None
+    # The pick's footprint (in-flight ticket, prefix insertions, session), moved to the served
+    # endpoint after a retry; None until picked.
+    pick: PickRecord | None = None
+    # The overflow pool the request was spilled to (no replica of ours serves it).
+    spilled: str | None = None
+    # Only for a sampled request while tracing is configured (epp.tracing).
+    trace: RequestTrace | None = None
+    # The streamed response will end with usage (the client's or epp's include_usage, or the
+    # Responses API's response.completed): the TTFT may wait for it.
+    usage_expected: bool = False
+    # epp added stream_options.include_usage: the usage chunk is hidden from the client.
+    strip_usage: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     """One request's response as the hooks see it, once its stream is done."""
 
+    context: RequestContext
+    # The context's parsed request (a response follows only a parsed request).
     request: InferenceRequest
     outcome: Outcome
     # The request's objective when it is a configured one ('' otherwise): a bounded label.
     objective: str
-    # The pick's footprint (moved to the served endpoint after a retry); None: not picked.
-    pick: PickRecord | None = None
-    # Sent to an overflow pool: none of our replicas served it, so none learns from it.
-    spilled: bool = False
-    # What admission charged to the tenant's budget (None: the tenant has no budget).
-    charge: Charge | None = None
+
+    @property
+    def pick(self) -> PickRecord | None:
+        return self.context.pick
+
+    @property
+    def spilled(self) -> bool:
+        """Sent to an overflow pool: none of our replicas served it, none learns from it."""
+        return self.context.spilled is not None
+
+    @property
+    def charge(self) -> Charge | None:
+        return self.context.charge
 
 
 class ResponseHook(Protocol):

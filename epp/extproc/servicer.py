@@ -64,14 +64,14 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
         self, handler: StreamHandler, request: InferenceRequest
     ) -> Sequence[ext_proc_pb2.ProcessingResponse]:
         """Await the request's preparation and flow control, then route or refuse it."""
-        trace = handler.trace
+        trace = handler.context.trace
         started = time.perf_counter() if trace is not None else 0.0
-        await self._router.prepare(request, handler.generation)
+        await self._router.prepare(request, handler.context.generation)
         refusal = None
         try:
             # Held here while the pool is saturated; a client that goes away cancels this
             # coroutine, which takes it out of the queue.
-            handler.charge = await self._router.admit(request, handler.generation)
+            handler.context.charge = await self._router.admit(request, handler.context.generation)
         except errors.RequestError as error:
             refusal = error
         if trace is not None:
@@ -79,7 +79,7 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 "epp.admission",
                 started,
                 {
-                    "epp.admission.mode": handler.generation.config.flow_control.mode,
+                    "epp.admission.mode": handler.context.generation.config.flow_control.mode,
                     "epp.priority": request.priority,
                 },
                 None if refusal is None else refusal.message,

@@ -35,13 +35,11 @@ from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
-from epp.admission.budgets import Charge
 from epp.errors import RequestError
 from epp.extproc import responses
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
-from epp.generation import Generation
 from epp.hooks.passive_health import judge_retry
-from epp.lifecycle import Finished, Outcome
+from epp.lifecycle import Finished, Outcome, RequestContext
 from epp.observability import (
     MOVED,
     OBJECTIVE_REQUESTS,
@@ -60,7 +58,6 @@ from epp.request import (
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, Recording, move_pick
-from epp.tracing import RequestTrace
 from epp.wire import (
     CONTROL_HEADERS,
     DESTINATION,
@@ -103,78 +100,42 @@ class StreamHandler:
         "_deferred",
         "_done",
         "_full_duplex",
-        "_gen",
-        "_headers",
         "_observer",
         "_passing",
-        "_request",
         "_response_ended",
         "_response_full_duplex",
         "_router",
-        "_spilled",
-        "_started",
-        "_strip_usage",
-        "_subset",
-        "_trace",
-        "_usage_expected",
-        "charge",
+        "context",
         "pending",
-        "pick",
     )
 
     def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter) -> None:
         self._router = router
-        # The configuration this stream started with, kept to its end whatever reloads.
-        self._gen = router.generation
         # Latency timings read this clock when a message arrives (tests drive it by hand).
         self._clock = clock
-        self._started = 0.0
-        self._headers: dict[str, str] = {}
+        # What the request carries, starting with the configuration current as the stream
+        # opens: kept to the stream's end whatever reloads.
+        self.context = RequestContext(router.generation)
         self._body: list[bytes] = []
         self._body_size = 0
         self._full_duplex = False
         self._response_full_duplex = False
-        self._subset: list[str] | None = None
-        # The overflow pool the request was spilled to (no replica of ours serves it).
-        self._spilled: str | None = None
         self._done = False
         # A pass-through path (routing.passthrough), routed at the headers.
         self._passing = False
         # The pick's bookkeeping, run by settle() once the routing answer is out.
         self._deferred: list[Callable[[], None]] = []
-        self._request: InferenceRequest | None = None
-        # epp added stream_options.include_usage: hide the usage chunk from the client.
-        self._strip_usage = False
-        # The streamed response will end with usage (the client's or epp's include_usage, or
-        # the Responses API's response.completed): the TTFT may wait for it (first_token).
-        self._usage_expected = False
         self._observer: ResponseObserver | None = None
         # When the response completed (the clock's time): what it showed is recorded by
         # settle(), after the answer.
         self._response_ended: float | None = None
-        # The pick's footprint (in-flight ticket, prefix insertions, session); the servicer
-        # releases its ticket when the stream ends.
-        self.pick: PickRecord | None = None
         # A parsed request waiting for the servicer to await Router.prepare.
         self.pending: Pending | None = None
-        # Only for a sampled request while tracing is configured (epp.tracing).
-        self._trace: RequestTrace | None = None
-        # What admission charged to the tenant's budget (None: no budget); the servicer sets
-        # it. Its x-ratelimit-* headers go on the response, its tokens are corrected by usage.
-        self.charge: Charge | None = None
-
-    @property
-    def generation(self) -> Generation:
-        """The configuration (and profile) the stream captured when it opened."""
-        return self._gen
-
-    @property
-    def trace(self) -> RequestTrace | None:
-        return self._trace
 
     @property
     def ticket(self) -> Ticket | None:
-        return None if self.pick is None else self.pick.ticket
+        pick = self.context.pick
+        return None if pick is None else pick.ticket
 
     def handle(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         kind = message.WhichOneof("request")
@@ -199,19 +160,21 @@ class StreamHandler:
         return ()
 
     def _on_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
-        self._started = self._clock()
-        _read_headers(message.request_headers, self._headers)
-        self._subset = _subset_hint(message)
+        context = self.context
+        context.started = self._clock()
+        headers = _read_headers(message.request_headers, context.headers)
+        context.subset = _subset_hint(message)
         tracing = self._router.tracing
         if tracing is not None:
-            self._trace = tracing.begin(self._headers)
-        passthrough = self._gen.config.routing.passthrough_pool(self._headers.get(":path", ""))
+            context.trace = tracing.begin(headers)
+        routing = context.generation.config.routing
+        passthrough = routing.passthrough_pool(headers.get(":path", ""))
         if passthrough is not None:
             return self._pass_through(passthrough)
         if message.request_headers.end_of_stream:
             self._done = True
             return (self._header_only(),)
-        refusal = check_headers(self._headers, self._gen.config.routing.max_body_bytes)
+        refusal = check_headers(headers, routing.max_body_bytes)
         if refusal is not None:
             self._done = True
             return (self._refuse(refusal),)
@@ -233,7 +196,7 @@ class StreamHandler:
         if chunk:
             self._body.append(chunk)
             self._body_size += len(chunk)
-            limit = self._gen.config.routing.max_body_bytes
+            limit = self.context.generation.config.routing.max_body_bytes
             if self._body_size > limit:
                 self._done = True
                 self._body.clear()
@@ -250,15 +213,17 @@ class StreamHandler:
         return (responses.CONTINUE_REQUEST_TRAILERS,)
 
     def _on_response_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
+        context = self.context
         headers = _read_headers(message.response_headers, {}, RESPONSE_HEADERS_READ)
-        observer = self._observer = ResponseObserver(self._started, self._strip_usage)
+        observer = self._observer = ResponseObserver(context.started, context.strip_usage)
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
+        pick = context.pick
         if (
-            self.pick is not None
-            and self._spilled is None
+            pick is not None
+            and context.spilled is None
             and served is not None
-            and served != self.pick.endpoint
+            and served != pick.endpoint
         ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
             # the picked endpoint failed an attempt, unless it joined so recently that Envoy
@@ -266,18 +231,19 @@ class StreamHandler:
             # counting that against it ejected fresh replicas right after a scale-up.
             now = time.time()
             fleet = self._router.fleet
-            if not self._router.settling.settling(self.pick.endpoint):
-                judge_retry(fleet.health, self._router.config.pools, self.pick.endpoint, now)
-            self.pick = move_pick(fleet, self.pick, served, now)
+            if not self._router.settling.settling(pick.endpoint):
+                judge_retry(fleet.health, self._router.config.pools, pick.endpoint, now)
+            context.pick = move_pick(fleet, pick, served, now)
             MOVED.inc()
         if served is not None:
             self._router.settling.served(served)
-        if self._trace is not None:
-            self._trace.response_started = time.perf_counter()
+        if context.trace is not None:
+            context.trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:
             self._response_ended = self._clock()
-        if self.charge is not None and self.charge.headers:
-            return (responses.add_response_headers(self.charge.headers),)
+        charge = context.charge
+        if charge is not None and charge.headers:
+            return (responses.add_response_headers(charge.headers),)
         return (responses.CONTINUE_RESPONSE_HEADERS,)
 
     def _on_response_body(self, body: ext_proc_pb2.HttpBody) -> Sequence[Response]:
@@ -289,8 +255,9 @@ class StreamHandler:
             now = self._clock()
             forward = observer.on_body(chunk, now, end)
             first = observer.first_token
-            if first is not None and self.pick is not None and self.pick.ticket.waiting:
-                self._router.learning.first_token(self.pick, first, self._usage_expected)
+            pick = self.context.pick
+            if first is not None and pick is not None and pick.ticket.waiting:
+                self._router.learning.first_token(pick, first, self.context.usage_expected)
             if end or observer.body_complete:
                 self._response_ended = now
         if not self._response_full_duplex:
@@ -320,43 +287,37 @@ class StreamHandler:
                 except Exception:
                     # What later decisions would have learned is lost; this request is not.
                     log.exception("post-pick bookkeeping failed")
-        if self.pick is not None:
-            self.pick.learned.extend(learned)
+        if self.context.pick is not None:
+            self.context.pick.learned.extend(learned)
 
     def close(self, complete: bool = False, at: float | None = None) -> None:
         """The response ended (``complete``, ``at`` the clock's time, default now) or its
         stream closed: record what it showed. Idempotent; the servicer calls it when the stream
         ends for any reason."""
         observer = self._observer
-        request = self._request
+        request = self.context.request
         if observer is None or request is None:
             return
         self._observer = None
         outcome = observer.finish(self._clock() if at is None else at, complete)
+        context = self.context
         self._router.lifecycle.finished(
-            Finished(
-                request,
-                outcome,
-                self._objective(request),
-                self.pick,
-                self._spilled is not None,
-                self.charge,
-            )
+            Finished(context, request, outcome, self._objective(request))
         )
-        if self._trace is not None:
-            self._trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
+        if self.context.trace is not None:
+            self.context.trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
 
     def end_trace(self) -> None:
         """The stream is over: build and export the request's spans (when traced). Called
         by the servicer after the last answer went out, so it never delays one."""
-        trace = self._trace
+        trace = self.context.trace
         if trace is not None:
-            self._trace = None
+            self.context.trace = None
             trace.end()
 
     def _objective(self, request: InferenceRequest) -> str:
         """The request's objective when it is a configured one ('' otherwise): bounded."""
-        policy = self._gen.config.request
+        policy = self.context.generation.config.request
         name = request.headers.get(policy.objective_header, "")
         return name if name in policy.objectives else ""
 
@@ -370,11 +331,11 @@ class StreamHandler:
         # joined for parsing (one chunk, always so when buffered, is the body itself).
         chunks, self._body = self._body, []
         body = b"".join(chunks)
-        headers = self._headers
-        trace = self._trace
+        headers = self.context.headers
+        trace = self.context.trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
-            config = self._gen.config
+            config = self.context.generation.config
             request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, config.request, config.models
             )
@@ -397,7 +358,7 @@ class StreamHandler:
             )
         if rewritten is not None:
             chunks = [rewritten]
-        if self._gen.needs_preparation:
+        if self.context.generation.needs_preparation:
             self.pending = Pending(request, chunks, tuple(after), rewritten is not None)
             return ()
         return self._route(request, chunks, after, rewritten is not None)
@@ -405,9 +366,10 @@ class StreamHandler:
     def _rewrite_body(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
         """The body to forward instead of the client's, or None to forward it unchanged: one
         re-serialisation for every change epp makes (the engine priority, the usage option)."""
-        changed = self._gen.config.request.engine_priority and set_engine_priority(request, data)
+        policy = self.context.generation.config.request
+        changed = policy.engine_priority and set_engine_priority(request, data)
         asked_usage = self._ask_for_usage(request, data)
-        self._usage_expected = _expects_usage(request, data)
+        self.context.usage_expected = _expects_usage(request, data)
         if not (changed or asked_usage):
             return None
         try:
@@ -419,7 +381,7 @@ class StreamHandler:
             if changed:
                 raise too_deep() from None
             return None
-        self._strip_usage = asked_usage
+        self.context.strip_usage = asked_usage
         return rewritten
 
     def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
@@ -427,7 +389,7 @@ class StreamHandler:
         usage gets ``stream_options.include_usage`` (True when ``data`` was changed) and the
         usage chunk it brings is later removed from what the client receives."""
         if not (
-            self._gen.config.routing.inject_stream_usage
+            self.context.generation.config.routing.inject_stream_usage
             and request.stream
             and request.api in _USAGE_OPTION_APIS
         ):
@@ -464,26 +426,26 @@ class StreamHandler:
     ) -> Sequence[Response]:
         """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
         rewritten body (the only chunk then) in buffered mode."""
-        overflow = self._router.spill_target(request, self._gen)
+        overflow = self._router.spill_target(request, self.context.generation)
         if overflow is not None:
             return self._spill(request, chunks, after, rewritten, overflow)
         fleet = self._router.fleet
-        trace = self._trace
+        trace = self.context.trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
             decision, ticket = self._router.route(
                 request,
-                self._subset,
+                self.context.subset,
                 None if trace is None else trace.laps,
                 self._deferred,
-                self._gen,
+                self.context.generation,
             )
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.schedule", started, self._profile_attributes(), error.message)
-            if self.charge is not None:  # never ran: its tenant's budget is given back
-                self._router.budgets.refund(self.charge)
-                self.charge = None
+            if self.context.charge is not None:  # never ran: its tenant's budget is given back
+                self._router.budgets.refund(self.context.charge)
+                self.context.charge = None
             return (self._refuse(error), *after)
         if trace is not None:
             endpoints = [e.address for e in decision.endpoints]
@@ -494,17 +456,17 @@ class StreamHandler:
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
         ahead = ticket.basis.prefill_ahead if ticket.basis is not None else ticket.prefill
-        self.pick = PickRecord(
+        self.context.pick = PickRecord(
             ticket, request.session, picked_at=self._clock(), prefill_ahead=ahead
         )
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
-        self._request = request
+        self.context.request = request
         OBJECTIVE_REQUESTS.add((request.model, request.model))
         destination = ",".join(e.address for e in decision.endpoints)
-        remove = _present(self._headers, _REMOVED)
+        remove = _present(self.context.headers, _REMOVED)
         scores = None
-        routing = self._gen.config.routing
-        if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
+        routing = self.context.generation.config.routing
+        if decision.scores is not None and routing.explains_to(self.context.headers.get(EXPLAIN)):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             size = sum(map(len, chunks))
@@ -519,7 +481,7 @@ class StreamHandler:
         )
 
     def _profile_attributes(self) -> dict[str, str]:
-        return {"epp.profile": self._gen.config.scheduling.profile}
+        return {"epp.profile": self.context.generation.config.scheduling.profile}
 
     def _spill(
         self,
@@ -530,10 +492,10 @@ class StreamHandler:
         overflow: str,
     ) -> Sequence[Response]:
         """Send the request to overflow pool ``overflow`` (its home pool is saturated)."""
-        self.pick = PickRecord(self._router.spill(request, overflow))
-        self._spilled = overflow
-        self._request = request
-        remove = [h for h in _present(self._headers, _REMOVED) if h != OVERFLOW]
+        self.context.pick = PickRecord(self._router.spill(request, overflow))
+        self.context.spilled = overflow
+        self.context.request = request
+        remove = [h for h in _present(self.context.headers, _REMOVED) if h != OVERFLOW]
         if self._full_duplex:
             size = sum(map(len, chunks))
             return (
@@ -549,23 +511,23 @@ class StreamHandler:
         parse, admission or scoring; the least loaded ready replica, chosen at the headers."""
         self._done = True
         try:
-            ticket = self._router.pass_through(pool, self._headers.get(":path", ""))
+            ticket = self._router.pass_through(pool, self.context.headers.get(":path", ""))
         except RequestError as error:
             return (self._refuse(error),)
-        self.pick = PickRecord(ticket)
+        self.context.pick = PickRecord(ticket)
         self._passing = True
-        remove = _present(self._headers, _REMOVED)
+        remove = _present(self.context.headers, _REMOVED)
         return (responses.route_in_headers(ticket.endpoint, remove, None),)
 
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
-        method = self._headers.get(":method", "GET")
-        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
+        method = self.context.headers.get(":method", "GET")
+        path = self.context.headers.get(":path", "").split("?", 1)[0].rstrip("/")
         if method == "GET" and path.endswith("/v1/models"):
             REQUESTS.add(("", "models"))
             RESULTS.add(("ok",))
-            if self._trace is not None:
-                self._trace.answered(200)
+            if self.context.trace is not None:
+                self.context.trace.answered(200)
             return responses.immediate(200, self._router.models_body())
         return self._refuse(
             errors.bad_request(
@@ -577,11 +539,12 @@ class StreamHandler:
         )
 
     def _refuse(self, error: RequestError) -> Response:
-        if self._trace is not None:
-            self._trace.answered(error.status, error.message)
+        if self.context.trace is not None:
+            self.context.trace.answered(error.status, error.message)
         REQUESTS.add(("", str(error.status)))
         RESULTS.add((refusal_reason(error.status),))
-        log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
+        path = self.context.headers.get(":path", "")
+        log.info("refused %s %s: %s", error.status, path, error.message)
         return responses.error_response(error)
 
 

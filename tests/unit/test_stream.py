@@ -273,13 +273,13 @@ async def test_post_pick_bookkeeping_waits_for_settle() -> None:
     picked, _ = destination(answer, "request_body")
     endpoint = picked.split(",")[0]
     assert router.fleet.prefix.size(endpoint) == 0
-    assert handler.pick is not None
-    assert handler.pick.learned == []
+    assert handler.context.pick is not None
+    assert handler.context.pick.learned == []
     handler.settle()
     assert router.fleet.prefix.size(endpoint) > 0
-    assert [item.endpoint for item in handler.pick.learned] == [endpoint]
+    assert [item.endpoint for item in handler.context.pick.learned] == [endpoint]
     handler.settle()  # idempotent
-    assert len(handler.pick.learned) == 1
+    assert len(handler.context.pick.learned) == 1
 
 
 async def test_plain_buffered_answers_are_shared_and_match_a_fresh_build() -> None:

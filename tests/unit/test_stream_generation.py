@@ -75,7 +75,7 @@ async def test_a_request_held_by_flow_control_is_routed_with_its_configuration()
     assert handler.handle(body_msg(_body(100))) == ()
     assert handler.pending is not None
     request = handler.pending.request
-    held = asyncio.create_task(router.admit(request, handler.generation))
+    held = asyncio.create_task(router.admit(request, handler.context.generation))
     for _ in range(100):
         if router.flow.queued() == 1:
             break
@@ -83,7 +83,7 @@ async def test_a_request_held_by_flow_control_is_routed_with_its_configuration()
     assert router.flow.queued() == 1
     # Reloaded while held: no fallbacks.
     router.config = _config(10_000, fallbacks=0, mode="queue")
-    assert handler.generation.config.routing.fallbacks == 1
+    assert handler.context.generation.config.routing.fallbacks == 1
     # Room frees on both endpoints (the second release wakes the queue): the held request is
     # routed with its own stream's configuration, one fallback.
     router.fleet.inflight.release(busy[0])
@@ -99,7 +99,7 @@ async def test_a_request_held_by_flow_control_is_routed_with_its_configuration()
     later.handle(headers_msg())
     assert later.handle(body_msg(_body(100))) == ()
     assert later.pending is not None
-    await router.admit(later.pending.request, later.generation)
+    await router.admit(later.pending.request, later.context.generation)
     (answer,) = later.resume()
     header, _ = destination(answer, "request_body")
     assert len(header.split(",")) == 1

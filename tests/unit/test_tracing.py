@@ -78,7 +78,7 @@ def test_with_tracing_off_a_request_never_touches_opentelemetry() -> None:
             body = json.dumps({"model": "tiny", "prompt": "hi"}).encode()
             (answer,) = handler.handle(body_msg(body))
             assert destination(answer, "request_body")[0].startswith("127.0.0.1:8002")
-            assert handler.trace is None
+            assert handler.context.trace is None
             handler.close()
 
         asyncio.run(main())
