@@ -35,7 +35,8 @@ GATEWAY = ("gateway.networking.k8s.io", "Gateway")
 
 def render(path: Path) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render the kustomizations: install it (apt kubectl)"
+    if kubectl is None:  # under CI=true this skip is a failure (tests/helpers/ci_strict.py)
+        pytest.skip("kubectl is needed to render the kustomizations: install it (apt kubectl)")
     out = subprocess.run(
         [kubectl, "kustomize", str(path)], capture_output=True, text=True, check=False
     )
