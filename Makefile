@@ -15,12 +15,16 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
+# CONFIG=FILE: epp configuration sections laid over the local stack's (epp dev --config).
+CONFIG ?=
+DEV_CONFIG = $(if $(CONFIG),--config $(CONFIG))
+
 run: $(STAMP)  ## Envoy on :8080, epp, three simulated vLLM replicas; Ctrl-C stops all
-	$(PY) -m epp dev
+	$(PY) -m epp dev $(DEV_CONFIG)
 
 REDIS_URL ?= redis://127.0.0.1:6379/0
 run-ha: $(STAMP)  ## as run, with two epp processes sharing state through Redis at $(REDIS_URL)
-	$(PY) -m epp dev --epps 2 --redis-url $(REDIS_URL)
+	$(PY) -m epp dev --epps 2 --redis-url $(REDIS_URL) $(DEV_CONFIG)
 
 lint: $(STAMP)  ## ruff (lint + format) and strict mypy over epp/ and benchmarks/ ([tool.mypy])
 	$(VENV)/bin/ruff check .
@@ -46,7 +50,7 @@ contract: $(STAMP)  ## slow tier: simulator and epp against a real vLLM on CPU
 protos: $(STAMP)  ## regenerate epp/_proto from protos/
 	$(PY) tools/gen_protos.py
 
-bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes docs/overhead.md
+bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes benchmarks/results/overhead.md
 	$(PY) -m benchmarks.overhead --rounds 2
 
 bench-multi-epp: $(STAMP)  ## decisions/s with 1, 2, 4 epp processes; pick propagation delay

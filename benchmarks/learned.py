@@ -11,7 +11,8 @@ router gets the same 10 s warm-up of prompts that share no prefix with the workl
 
 Usage: ``python -m benchmarks.learned [--quick] [--repeat N] [--routers a,b]
 [--workloads shared-prefix,mixed] [routing benchmark options]``.
-Writes ``docs/learned-latency-bench.md`` (and ``.json``); ``--from-json FILE[,FILE...]``
+Writes ``benchmarks/results/learned-latency-bench.md`` (``--output``; raw results beside it as
+``.json``, ``--results``); ``--from-json FILE[,FILE...]``
 re-renders (several files: their runs merged as repetitions).
 """
 
@@ -364,12 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workloads",
         "shared-prefix,mixed",
         "--output",
-        str(ROOT / "docs" / "learned-latency-bench.md"),
+        str(routing.RESULTS / "learned-latency-bench.md"),
         "--duration",
         "20",
         # A learner is judged after it has seen traffic: every router (peers and hand-set
         # weights alike) gets the same warm-up of prompts cached nowhere before its first
-        # stage (docs/learned-latency-bench.md, "Warm start").
+        # stage (docs/learned-latency.md).
         "--warmup",
         "10",
     ]
@@ -396,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("interrupted: every process started was stopped; no report written", flush=True)
             return 130
         print(f"measured in {time.monotonic() - started:.0f} s", flush=True)
-        save(result, args.output.with_suffix(".json"))
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        save(result, args.results)
     for row in median_rows(result.rows):
         print(progress_line(row))
     args.output.write_text(markdown(result))

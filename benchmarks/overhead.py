@@ -10,7 +10,8 @@ replica, so the backend costs almost nothing) and one load generator (wrk):
 - ``epp``: Envoy + epp, which parses the OpenAI body and schedules over 3 scraped endpoints.
 
 For each body mode (buffered, full-duplex), prompt size (1 KB, 8 KB, 200 KB) and concurrency (1,
-32) it records p50/p99 latency and requests/s, prints a table and writes ``docs/overhead.md``.
+32) it records p50/p99 latency and requests/s, prints a table and writes it to
+``benchmarks/results/overhead.md`` (``--output``); docs/overhead.md, written by hand, reads it.
 Usage: ``python -m benchmarks.overhead [--duration 5] [--rounds 3] [--quick] [--before DIR]``;
 ``--before`` runs a second worktree's epp alongside (e.g. the base commit of a change).
 """
@@ -737,13 +738,18 @@ def main() -> None:
     parser.add_argument(
         "--before", help="another worktree (bootstrapped) whose epp runs alongside, as 'before'"
     )
-    parser.add_argument("--output", default=str(ROOT / "docs" / "overhead.md"))
+    parser.add_argument(
+        "--output",
+        default=str(ROOT / "benchmarks" / "results" / "overhead.md"),
+        help="the generated report (never a hand-written document)",
+    )
     args = parser.parse_args()
     load = Path("/proc/loadavg").read_text().split()[:3]
     print("measuring (each line is one point) ...", flush=True)
     results, streams, idle = run(args)
     text = report(results, streams, idle, args, "load average " + " / ".join(load))
     print(text)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     print(f"wrote {args.output}")
 

@@ -11,7 +11,8 @@ epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh 
 replicas run vLLM's ``--scheduling-policy priority``, epp writes each request's priority into
 its body (``request.engine_priority``) and lets F x more batch in. ``--pool-reserve R ...``
 adds rows with engine priority and a reserve for the pool instead of per endpoint
-(``admission.pool_reserve``, :func:`_pool_limits`). Report: docs/overload.md.
+(``admission.pool_reserve``, :func:`_pool_limits`). Writes benchmarks/results/overload.md
+(``--output``); docs/overload.md reads it.
 
     .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
     # about 17 minutes on 2 shared cores
@@ -543,7 +544,12 @@ def main() -> None:
         help="with --pool-reserve: a row per max_requests M per endpoint (default: what one "
         "engine's KV cache holds)",
     )
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "overload.md")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "overload.md",
+        help="the generated report (docs/overload.md, written by hand, quotes its rows)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="epp-overload-") as tmp:
         if args.capacity is None:
@@ -558,6 +564,7 @@ def main() -> None:
                 results.append({**result, "run": run})
                 print(json.dumps({k: v for k, v in result.items() if k != "unloaded_ttft"}))
     report = _report(cal, results, args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)
     print(report)
 

@@ -52,6 +52,8 @@ from benchmarks.trace import sum_samples, traced
 from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload, warmup
 
 ROOT = Path(__file__).resolve().parent.parent
+# Raw results (JSON) live beside the benchmarks, not among the user documents in docs/.
+RESULTS = ROOT / "benchmarks" / "results"
 BLOCK_SIZE = 16
 # Offered rates (requests per wall-clock second) per workload at the default time scale (3):
 # from below round robin's saturation to past the best router's. Calibrated on this 2-core
@@ -466,7 +468,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         metavar="FILE",
         help="measure nothing: rewrite the report and plots from a run's saved results "
-        "(written next to --output as .json by every run)",
+        "(written to --results by every run)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        metavar="FILE",
+        help="where every run saves its raw results as JSON "
+        "(default: benchmarks/results/<--output's name>.json)",
     )
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
     parser.add_argument(
@@ -476,6 +485,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "WORKDIR/<router>/<workload>/<rep>/trace-<rate>.jsonl (docs/benchmarks.md)",
     )
     args = parser.parse_args(argv)
+    if args.results is None:
+        args.results = RESULTS / args.output.with_suffix(".json").name
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.speeds and len(args.speeds.split(",")) != args.replicas:
@@ -563,7 +574,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("interrupted: every process started was stopped; no report written", flush=True)
             return 130
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        save_run(result, args.output.with_suffix(".json"))
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        save_run(result, args.results)
     print()
     print(text_table(result.medians()))
     try:

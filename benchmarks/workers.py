@@ -175,7 +175,7 @@ def main() -> None:
         "",
         f"`python -m benchmarks.workers --duration {args.duration:g} --repeat {args.repeat}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-        f"{os.cpu_count()} cores shared with other sessions; 1-minute load average "
+        f"{os.cpu_count()} cores shared with other work; 1-minute load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after). What it means: "
         "docs/workers.md.",
         "",

@@ -386,8 +386,39 @@ def temporary_stack(**kwargs: Any) -> Iterator[Stack]:
             stack.stop()
 
 
+def dev_overrides(path: str | Path) -> dict[str, Any]:
+    """The sections of an epp configuration file that ``epp dev --config`` lays over the local
+    stack's own (its model ``tiny`` and pool ``main`` of simulated replicas): each top-level
+    mapping is merged key by key, any other value replaces the stack's.
+
+    Raises :class:`~epp.config.ConfigError` when the file cannot be read or is not a mapping;
+    the merged configuration is then validated as ``epp serve`` validates it.
+    """
+    from epp.config import ConfigError
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read configuration file: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: must be a mapping of configuration sections"])
+    return data
+
+
 def _dev(args: argparse.Namespace) -> int:
+    from epp.config import ConfigError, parse_config
+
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="epp-dev-"))
+    try:
+        extra = dev_overrides(args.config) if args.config else {}
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(f"epp dev: {error}", file=sys.stderr)
+        return 2
     stack = Stack(
         workdir,
         replicas=args.replicas,
@@ -397,7 +428,14 @@ def _dev(args: argparse.Namespace) -> int:
         envoy_port=args.port,
         admin_port=args.admin_port,
         sim_base_port=args.base_port,
+        config_extra=extra,
     )
+    try:
+        parse_config(stack.epp_config(), args.config or "<epp dev>")
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(f"epp dev: invalid configuration: {error}", file=sys.stderr)
+        return 2
     # The documented ports, so the README's commands work: epp i on 9002+10i (ext_proc),
     # 9003+10i (health) and 9090+i (metrics and /debug).
     stack.epp_ports = [(9002 + 10 * i, 9003 + 10 * i, 9090 + i) for i in range(args.epps)]
@@ -454,4 +492,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     dev.add_argument("--epps", type=int, default=1, help="number of epp processes")
     dev.add_argument("--redis-url", help="share epp state through this Redis")
     dev.add_argument("--workdir", help="where configs and logs go (default: a temp dir)")
+    dev.add_argument(
+        "--config",
+        metavar="FILE",
+        help="epp configuration sections laid over the stack's own (e.g. routing: {explain: "
+        "true}); the model tiny and pool main of simulated replicas stay unless it replaces them",
+    )
     dev.set_defaults(func=_dev)

@@ -2,7 +2,7 @@
 
 With the interpreter's defaults a busy epp runs a full collection every few thousand requests,
 each walking every object the process ever allocated (modules, configuration, gRPC, aiohttp,
-the prefix index) while every stream in flight waits (docs/overhead.md has the figures). What
+the prefix index) while every stream in flight waits. What
 startup allocates lives as long as the process, so :func:`gc.freeze` moves it out of the
 collector's sight, and a larger young-generation threshold lets a request's short-lived
 objects die by reference counting before a young collection looks at them. Cycles are still
@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 
 # Allocations (net of deallocations) between young collections; the interpreter's default is
-# 700. Chosen between the collector's CPU per request and its longest pause (docs/overhead.md).
+# 700. A trade between the collector's CPU per request and its longest pause.
 YOUNG_THRESHOLD = 5_000
 
 

@@ -22,7 +22,7 @@ M = TypeVar("M", bound=MetricWrapperBase)
 
 def child(metric: M, *values: str) -> M:
     """``metric.labels(*values)``, read straight from the metric's series when it exists:
-    ``labels`` validates, converts and takes a lock every call (about 2 µs, paid ten times a
+    ``labels`` validates, converts and takes a lock every call (paid about ten times a
     request); a dict read suffices once the series is there. A removed series is absent, so
     ``labels`` re-creates it as it always did. (``_metrics`` is prometheus_client's own
     table of label values to series; tests/unit/test_observability_child.py pins it.)"""

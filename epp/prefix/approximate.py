@@ -126,7 +126,7 @@ class ApproximatePrefixIndex:
             else:
                 lru[h] = None
         # ...and the run itself, cached by the invariant, is moved up by a C loop (for a
-        # repeated prompt, its whole chain; docs/overhead.md). Should a block of it be missing
+        # repeated prompt, its whole chain). Should a block of it be missing
         # after all, it is added where the lookup would have added it, and the loop goes on.
         run = reversed(hashes[:known])
         while True:

@@ -20,8 +20,7 @@ match is a prefix, and capping bounds the work on huge prompts.
 Speed matters (a 32k-token prompt must not cost a millisecond): the prompt's prefix is encoded
 once, cut into ``bytes`` blocks by ``struct``'s C loop (``iter_unpack`` of ``"<n>s"``: no
 Python-level slicing per block, and a 64-byte copy is cheaper than making a memoryview), and
-chaining passes the previous hash as xxh64's seed instead of concatenating it to the block
-(docs/overhead.md has the timings).
+chaining passes the previous hash as xxh64's seed instead of concatenating it to the block.
 """
 
 from __future__ import annotations

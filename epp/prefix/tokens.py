@@ -17,9 +17,9 @@ match less. A conversation with image or other media parts gets no precise ids: 
 model's engine refuses it ("... is not a multimodal model", 400) and a multimodal one expands
 placeholders into ids only its processor knows.
 
-Cost: the Rust tokenizer takes ~45 ms for a 32k-token prompt on this 2-core box, almost all
-in its pre-tokenizer regex, and ``encode`` holds the GIL (measured: the event loop stalls for the
-whole call). Three things keep that off the request path:
+Cost: the Rust tokenizer's time grows with the prompt (a long one takes tens of milliseconds),
+almost all in its pre-tokenizer regex, and ``encode`` holds the GIL (the event loop stalls for
+the whole call). Three things keep that off the request path:
 
 1. An LRU of recent texts and their ids: a repeated prompt costs a dict lookup.
 2. Prefix reuse: a new text that shares a long prefix with a cached one (the next chat turn,
@@ -62,7 +62,7 @@ from epp.request import ChatMessage, InferenceRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-# ~4 ms of tokenizer time here; longer uncached stretches go to the worker thread.
+# A short stall of the event loop at most; longer uncached stretches go to the worker thread.
 DEFAULT_MAX_INLINE_CHARS = 8192
 # Chat renders kept for requests in flight between preparation and scoring.
 RENDERED_KEPT = 64
@@ -211,7 +211,8 @@ class ModelTokenizer:
         """The text the engine tokenizes for ``request`` (chat: the rendered template).
 
         A request is asked about twice (preparation, then scoring) and a long conversation
-        takes ~130 us to render, so the last few renders are kept, keyed by request object.
+        costs a template render each time, so the last few renders are kept, keyed by request
+        object.
         """
         if request.api not in ("chat", "responses"):
             return request.prompt

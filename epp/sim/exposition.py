@@ -1,7 +1,7 @@
 """Prometheus text exposition for the simulator, re-rendered only where something changed.
 
 Why not ``prometheus_client.generate_latest``: epp, like GIE, scrapes every replica every 50 ms,
-and generate_latest rebuilds every sample of the ~330-line vLLM page on each call (~3 ms of CPU).
+and generate_latest rebuilds every sample of the ~330-line vLLM page on each call.
 On a real fleet that CPU belongs to each GPU host; in the dev stack and the benchmarks all
 simulated replicas share the router's cores, so it showed up as TTFT in every epp row. Here each
 family keeps its rendered text and only a family that changed since the last scrape is rendered

@@ -3,7 +3,7 @@
 The scraper fetches every replica's page twenty times a second, for as long as epp runs, and
 nothing else; a general client pays per fetch for what this one never needs (cookie jars, URL
 objects, redirects, connection pools, header multidicts): with aiohttp, epp with three replicas
-and no traffic spent several percent of a core on scraping (docs/overhead.md). This client keeps
+and no traffic spent several percent of a core on scraping. This client keeps
 one connection per replica (owned by that replica's scrape task, so never shared), writes one
 fixed request and reads the answer by its ``Content-Length`` (or chunked, or to the end of the
 connection): the answer's bytes, or an exception, which closes the connection so that the next

@@ -14,9 +14,8 @@ their gauges mirror the lease holder's observations, and a process that takes a 
 continues from the latest of them (failure count included), so an endpoint that was failing for
 the previous owner does not look fresh and ready to the next.
 
-Cost on the replica, measured against a real vLLM 0.32 server: ~7 ms of its API-server CPU to
-render the ~50 KB page, so every process polling a replica at 50 ms costs that replica ~14% of
-a core.
+Cost on the replica: a real vLLM renders its ~50 KB page on its API server's CPU for every
+poll, so each process polling it every 50 ms takes a noticeable share of a core from it.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 The scraper reads every endpoint's page every 50 ms, so this runs twenty times a second per
 endpoint. A page is tens of kilobytes, nearly all histogram buckets and process metrics that the
-picker never reads. prometheus_client's parser builds an object per sample: ~13.6 ms for the
-62 KB page of a real vLLM 0.32 server. Here a single compiled pattern that starts with the
+picker never reads. prometheus_client's parser builds an object per sample, milliseconds
+for the page of a real vLLM server. Here a single compiled pattern that starts with the
 literal ``\\nvllm:`` and lists only the wanted names lets the regex engine's literal search skip
-everything else, and labels are parsed only for the two info series that carry data in labels:
-~55 us for the same page (a plain Python loop over lines took ~290 us).
+everything else, and labels are parsed only for the two info series that carry data in labels
+(a plain Python loop over lines is several times slower).
 
 Rules, following vLLM's exposition:
 
@@ -121,9 +121,9 @@ class _LoraInfo(NamedTuple):
     max_loras: int
 
 
-# The two info series repeat the same label text on every scrape (cache_config_info's is ~1 KB
-# and costs ~20 us to parse), so their parses are memoized; vLLM itself keeps every label set
-# it ever published, so the number of distinct texts is small.
+# The two info series repeat the same label text on every scrape (cache_config_info's is ~1 KB,
+# the dearest part of a page to parse), so their parses are memoized; vLLM itself keeps every
+# label set it ever published, so the number of distinct texts is small.
 @functools.lru_cache(maxsize=1024)
 def _cache_config(label_text: str) -> tuple[str, int | None, int | None]:
     labels = _parse_labels(label_text)

@@ -82,7 +82,7 @@ SPEED_BAND = 1.25
 # at least this many standard errors of that time (speeds): on equal replicas past saturation
 # the TTFTs are mostly waiting for KV the features do not see, the prefill slope is not
 # identified, and the capacities scattered 0.4-20 (clamped) across the fleet within a minute at
-# multi-turn 24 req/s (docs/learned-latency-bench.md, top section); their errors are as wide,
+# multi-turn 24 req/s (benchmarks/results/learned-latency-history.md); their errors are as wide,
 # while a 2x fleet below saturation tells its speeds apart by many standard errors.
 SPEED_Z = 2.0
 
@@ -102,7 +102,7 @@ class Basis:
         (``prompt_tokens - cached_tokens`` of the response's usage), known only at the end of
         the response. epp's estimate at the pick comes from its prefix index, which can count
         history as uncached that the engine still holds; learning from it made equal replicas
-        look 1.3-2.5x faster than each other (docs/learned-latency-bench.md)."""
+        look faster than each other (benchmarks/results/learned-latency-history.md)."""
         features = (self.features[0], tokens / TOKENS_UNIT, *self.features[2:])
         return Basis(features, self.predicted, self.target, self.objective)
 

@@ -1,14 +1,18 @@
-"""The README's commands, parsed from README.md and run, so the README breaks the build when it
-drifts from the code.
+"""The commands of the README and of the documents it sends a newcomer to first (operations,
+configuration), parsed from them and run, so a document breaks the build when it drifts from
+the code.
 
+- ``make run CONFIG=FILE`` in the README: FILE exists, ``make`` passes it to ``epp dev
+  --config``, and the stack below is built from it as ``epp dev`` builds its own.
 - Every ``curl`` in a ``sh`` block runs (through bash, pipes included) against a local stack
-  like ``make run``'s (Envoy, one epp, three simulated replicas), with ``localhost:8080``
-  (Envoy) and ``localhost:9090`` (epp's metrics port) mapped to the stack's ports. A ``curl -i``
-  must answer the status its comment names (``# 404, ...``) or 200, and carry any header the
-  comment names (``# x-served-by: ...``); a pipeline (``| grep ...``) must succeed.
+  like ``make run CONFIG=FILE``'s (Envoy, one epp, three simulated replicas), with
+  ``localhost:8080`` (Envoy) and ``localhost:9090`` (epp's metrics port) mapped to the stack's
+  ports. A ``curl -i`` must answer the status its comment names (``# 404, ...``) or 200, and
+  carry any header the comment names (``# x-served-by: ...``); a pipeline (``| grep ...``)
+  must succeed.
 - Every ``epp ...`` command names a subcommand and flags ``epp SUB --help`` knows;
-  ``epp envoy-config`` runs for real, in each mode the README lists, on the README's
-  configuration reference (the ``yaml`` block), which must therefore load.
+  ``epp envoy-config`` runs for real, in each mode the documents list, on the configuration
+  reference (the ``yaml`` block of docs/configuration.md), which must therefore load.
 """
 
 from __future__ import annotations
@@ -23,22 +27,27 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epp.devstack import Stack
+from epp.devstack import Stack, dev_overrides
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+# The README's commands, then those of the documents it links for running and configuring.
+DOCUMENTS = [README, ROOT / "docs" / "operations.md"]
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 EPP = [sys.executable, "-m", "epp"]
 # A comment after a command: whitespace, '#', a space.
 COMMENT = re.compile(r"\s+#\s(.*)$")
 
 
-def _blocks(language: str) -> Iterator[str]:
-    yield from re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
+def _blocks(language: str, documents: list[Path] = DOCUMENTS) -> Iterator[str]:
+    for document in documents:
+        yield from re.findall(rf"```{language}\n(.*?)```", document.read_text(), re.S)
 
 
-def _commands(program: str) -> list[tuple[str, str]]:
+def _commands(program: str, documents: list[Path] = DOCUMENTS) -> list[tuple[str, str]]:
     """(command, comment) for each logical line of a ``sh`` block that runs ``program``."""
     found = []
-    for block in _blocks("sh"):
+    for block in _blocks("sh", documents):
         for line in block.replace("\\\n", " ").splitlines():
             line = " ".join(line.split())
             if not line.startswith(program + " "):
@@ -50,17 +59,53 @@ def _commands(program: str) -> list[tuple[str, str]]:
 
 CURLS = _commands("curl")
 EPP_COMMANDS = _commands("epp")
+MAKE_RUNS = _commands("make", [README])
+
+
+def _run_config() -> Path:
+    """The file the README's ``make run CONFIG=FILE`` names (its explain example needs it)."""
+    configs = [
+        m[1] for c, _ in MAKE_RUNS if (m := re.fullmatch(r"make run CONFIG=(\S+)", c)) is not None
+    ]
+    assert len(configs) == 1, MAKE_RUNS
+    return ROOT / configs[0]
 
 
 def test_the_readme_still_has_examples_to_run() -> None:
-    assert len(CURLS) >= 5
+    assert len(_commands("curl", [README])) >= 5
+    assert {"make run", "make test"} <= {c for c, _ in MAKE_RUNS}
     assert {c.split()[1] for c, _ in EPP_COMMANDS} >= {"serve", "envoy-config", "sim", "dev"}
+
+
+def test_make_run_passes_its_config_to_epp_dev() -> None:
+    config = _run_config()
+    assert config.is_file(), config
+    relative = config.relative_to(ROOT).as_posix()
+    run = subprocess.run(
+        ["make", "-n", "run", f"CONFIG={relative}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    (dev,) = [line for line in run.stdout.splitlines() if " -m epp dev" in line]
+    assert dev.split()[-2:] == ["--config", relative], dev
+    # Without CONFIG, make run is a plain epp dev.
+    plain = subprocess.run(
+        ["make", "-n", "run"], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
+    (dev,) = [line for line in plain.stdout.splitlines() if " -m epp dev" in line]
+    assert dev.split()[-3:] == ["-m", "epp", "dev"], dev
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # routing.explain: the README's x-epp-scores example says to turn it on.
-    with Stack(tmp_path_factory.mktemp("readme"), config_extra={"routing": {"explain": True}}) as s:
+    # Built from the README's make run CONFIG=FILE as epp dev builds its own: the explain
+    # examples need routing.explain, and the others must work with it too.
+    overrides = dev_overrides(_run_config())
+    assert overrides.get("routing", {}).get("explain") is True, overrides
+    with Stack(tmp_path_factory.mktemp("readme"), config_extra=overrides) as s:
         s.start()
         yield s
 
@@ -114,7 +159,7 @@ def test_readme_epp_command_flags_exist(command: str, comment: str) -> None:
 
 
 def test_readme_envoy_config_renders_the_readme_configuration(tmp_path: Path) -> None:
-    (reference,) = list(_blocks("yaml"))
+    (reference,) = list(_blocks("yaml", [CONFIGURATION]))
     config = tmp_path / "epp.yaml"
     config.write_text(reference)
     (command,) = [c for c, _ in EPP_COMMANDS if c.split()[1] == "envoy-config"]

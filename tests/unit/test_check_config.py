@@ -129,8 +129,10 @@ def test_a_file_with_three_errors_lists_all_three(tmp_path: Path) -> None:
 
 
 def readme_example(tmp_path: Path) -> Path:
-    """The README's configuration reference, as a file."""
-    block = (ROOT / "README.md").read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
+    """The configuration reference (docs/configuration.md), as a file."""
+    block = (
+        (ROOT / "docs" / "configuration.md").read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
+    )
     path = tmp_path / "readme.yaml"
     path.write_text(block)
     return path

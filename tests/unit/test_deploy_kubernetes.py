@@ -2,6 +2,9 @@
 kustomize`` (offline), its core objects pass ``kubernetes-validate --strict`` for Kubernetes
 1.33, and its InferencePool and HTTPRoute pass their CRDs' schemas and CEL rules (read from the
 shared CRD directory, see tests/helpers/k8s_schema.py). The checks are shown to catch mistakes.
+
+The CRD checks skip, with the reason, where no CRD directory is found; this project's CI provides
+it as ../shared/k8s, so under ``CI=true`` they fail instead (tests/helpers/ci_strict.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ GATEWAY = ("gateway.networking.k8s.io", "Gateway")
 
 def render(path: Path) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render the kustomizations: install it (apt kubectl)"
+    if kubectl is None:  # under CI=true this skip is a failure (tests/helpers/ci_strict.py)
+        pytest.skip("kubectl is needed to render the kustomizations: install it (apt kubectl)")
     out = subprocess.run(
         [kubectl, "kustomize", str(path)], capture_output=True, text=True, check=False
     )

@@ -156,7 +156,8 @@ def test_equal_replicas_waiting_on_what_the_features_miss_get_no_speeds() -> Non
     """Past saturation the TTFTs of equal replicas are mostly waiting for KV blocks, which no
     feature sees (multi-turn 24 req/s: TTFTs of 1-30 s): the prefill slope is not identified
     and the learned capacities scatter far outside the noise band (0.4-20 across the fleet in
-    docs/learned-latency-bench.md). Their standard errors are as wide, so none is a speed."""
+    benchmarks/results/learned-latency-history.md). Their standard errors are as wide, so none
+    is a speed."""
     rng = random.Random(7)
     model = LatencyModel()
     now = 0.0

@@ -76,7 +76,8 @@ def test_whole_response_latency_and_a_scaling_of_zero_are_not_scaled() -> None:
 
 
 def test_cold_prefills_next_to_cache_hits_do_not_eject_but_a_slow_replica_still_is() -> None:
-    """The benchmark's failure (docs/learned-latency-bench.md): replica "a" takes on new prefix
+    """The benchmark's failure (benchmarks/results/learned-latency-history.md): replica "a"
+    takes on new prefix
     groups (2,304-token prompts, 0.45 s cold) while "b" serves their hits (256 uncached
     tokens, 0.08 s): raw, 0.45 > 3 x 0.08 ejected "a". Per 512 tokens its TTFT is 0.1 s. A
     replica 4x slower on the same work is still an outlier."""

@@ -180,7 +180,7 @@ async def test_a_restart_only_change_is_reported_once_and_not_applied(
 
 
 def test_the_readme_table_matches_the_reload_table_in_code() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| (reloadable|restart-only) \|", readme, re.MULTILINE)
     assert dict(rows) == {section: reload.value for section, reload in SECTIONS.items()}
 

@@ -39,16 +39,17 @@ from epp.state.snapshot import EndpointState
 log = logging.getLogger(__name__)
 
 DEFAULT_SPECULATIVE_TTL = 2.0
-# Tokenizing a 32k-token prompt takes ~45 ms here; its prefill, cold, takes seconds on a GPU.
+# Long enough to tokenize a long prompt; short against what its cold prefill costs on a GPU.
 DEFAULT_TOKENIZE_WAIT = 0.1
-# 64k tokens in 16-token blocks: keying costs ~0.3 us per block, matching beyond rarely decides.
+# 64k tokens in 16-token blocks: keying is linear in the blocks, matching beyond rarely decides.
 DEFAULT_MAX_BLOCKS = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class PreciseParams(Params):
     """``max_inline_chars``: longest uncached stretch of prompt text tokenized on the request
-    path (~0.5 us per character here); longer ones are tokenized in a worker thread while the
+    path (tokenizing holds the event loop, for longer the longer the text); longer ones are
+    tokenized in a worker thread while the
     request waits up to ``tokenize_wait`` seconds before scheduling (other requests go on
     meanwhile); past that it is scored without precise ids and the next request with that
     prompt finds them. ``speculative_ttl`` 0 disables speculative entries."""

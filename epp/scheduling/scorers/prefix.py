@@ -1,7 +1,7 @@
 """Prefer endpoints that already cache the request's prompt prefix (GIE's ``prefix-cache-scorer``).
 
-A prompt prefix cached on a replica skips its prefill there: on the reference CPU vLLM a
-500-token prompt's first token takes 38 ms cold and 12 ms on a full hit. In the data step the
+A prompt prefix cached on a replica skips its prefill there, most of a long prompt's time to
+first token. In the data step the
 plugin hashes the prompt into chained blocks (:mod:`epp.prefix.hashing`) and asks the fleet's
 approximate index how many leading blocks each candidate caches; it publishes the result as
 :data:`~epp.scheduling.prefix_data.APPROX_PREFIX` (blocks per endpoint, and cached prompt tokens,

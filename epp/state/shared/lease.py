@@ -1,7 +1,7 @@
 """Scrape each endpoint once per interval for a whole group of epp processes.
 
 Without coordination every epp process polls every vLLM replica: N processes cost each replica
-N times the API-server CPU (~7 ms per page on a real vLLM) and give N slightly different views
+N times the API-server CPU of rendering its page and give N slightly different views
 that race each other in Redis. Instead each endpoint has a lease, a Redis string holding the id
 of the one process that scrapes it (``SET NX PX``, renewed every interval); the others read
 the owner's observations from Redis through the state store.

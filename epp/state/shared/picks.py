@@ -23,8 +23,8 @@ newest ``backlog`` of them) and are sent when it returns.
 Each entry holds one field ``d``: msgpack ``[origin id, wall time shipped, [[channel, item],
 ...]]`` with what one process collected in one linger (at most 32 items), an item being the
 table's tuple (e.g. ``Insertion``) as a list. Batching matters: redis-py parses replies in pure
-Python; with one command and one entry per item, sharing cost two processes ~0.5 ms of CPU per
-decision on top of ~0.9 ms, batched ~0.25 ms (benchmarks/multi_epp.py). Memory: MAXLEN entries
+Python, so one command and one entry per item would make every decision markedly dearer in
+CPU; batching cuts that to a fraction (benchmarks/multi_epp.py). Memory: MAXLEN entries
 of at most 32 items of at most 256 block hashes, ~75 MB in the worst case, a few MB for ordinary
 prompts.
 """

@@ -69,7 +69,13 @@ PROFILES = shipped_profiles()
 def test_every_kind_of_shipped_profile_is_found() -> None:
     assert "benchmarks/profiles" not in PROFILES  # keys are file names
     names = " ".join(PROFILES)
-    for expected in ("DEFAULT_PROFILE", "epp-precise", "gie-default", "README.md", "scheduling.md"):
+    for expected in (
+        "DEFAULT_PROFILE",
+        "epp-precise",
+        "gie-default",
+        "configuration.md",
+        "scheduling.md",
+    ):
         assert expected in names, names
 
 
