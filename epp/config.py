@@ -986,7 +986,8 @@ def _store(node: _Node) -> StoreConfig:
         node.at("redis_password").report("must not be set when redis_url carries a password")
     elif password:
         url = with_credentials(url, username, password)
-    if username and not password:
+    given = any(node.at(key).value is not None for key in ("redis_password", "redis_password_file"))
+    if username and not given:
         node.at("redis_username").report("needs redis_password (Redis authenticates both)")
     return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix), username, password)
 
