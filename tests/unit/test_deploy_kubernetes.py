@@ -340,10 +340,12 @@ def gateway_peer(peer: dict[str, Any]) -> bool:
 def test_network_policies_admit_only_the_listed_flows(overlay: list[dict[str, Any]]) -> None:
     # epp's ext_proc port: the gateway's Envoy only.
     ext_proc = admitted(overlay, "epp", "grpc")
-    assert ext_proc and all(gateway_peer(p) for p in ext_proc), ext_proc
+    assert ext_proc
+    assert all(gateway_peer(p) for p in ext_proc), ext_proc
     # The replicas' serving port: the gateway (requests) and epp (scrapes /metrics).
     serving = admitted(overlay, "vllm", "http")
-    assert serving is not None and app_peer("epp") in serving
+    assert serving is not None
+    assert app_peer("epp") in serving
     assert all(p == app_peer("epp") or gateway_peer(p) for p in serving), serving
     assert any(gateway_peer(p) for p in serving)
     # Everyone's prompt token ids and the shared state: epp only.
@@ -402,7 +404,7 @@ def inline_secrets(docs: list[dict[str, Any]]) -> list[str]:
             if re.search(r"://[^/\s]*:[^/\s]*@|requirepass|--pass\b|>[^\s]", text):
                 found.append(f"{name}: a password on the command line: {text[:40]}...")
     for config_map in by_kind(docs, "ConfigMap"):
-        for key, text in config_map.get("data", {}).items():
+        for text in config_map.get("data", {}).values():
             config = yaml.safe_load(text) or {}
             for section in config.values():
                 for secret in INLINE_SECRET_KEYS:
@@ -448,8 +450,10 @@ def test_the_redis_secret_validates_and_both_sides_use_it(
     kubectl = shutil.which("kubectl")
     assert kubectl
     out = subprocess.run(
-        [kubectl, "create", "secret", "generic", "epp-redis", "--dry-run=client", "-o", "yaml"]
-        + ["--from-literal=password=0123456789abcdef"],
+        [
+            *(kubectl, "create", "secret", "generic", "epp-redis", "--dry-run=client"),
+            *("-o", "yaml", "--from-literal=password=0123456789abcdef"),
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -477,7 +481,8 @@ def test_the_redis_secret_validates_and_both_sides_use_it(
     assert "--user default off resetpass" in script
     # The ACL the real-Redis test (test_redis_auth.py) runs epp under.
     acl = SHIPPED_ACL.replace("~{epp}*", "'~{epp}*'")
-    assert f"--user {store['redis_username']} on " in script and script.endswith(acl)
+    assert f"--user {store['redis_username']} on " in script
+    assert script.endswith(acl)
 
 
 def test_kv_events_bind_the_pod_address_and_nothing_binds_a_wildcard(
