@@ -456,11 +456,16 @@ class _Node:
         """``key`` with ``${NAME}`` expanded from the environment, or the contents of the
         file ``key_file`` names (:mod:`epp.secrets`); "" when neither is set."""
         path = self.get(f"{key}_file", str, "")
-        if path and self.at(key).value is not None:
+        value = self.at(key).value
+        if path and value is not None:
             self.at(f"{key}_file").report(f"must not be set together with {key}")
             return ""
+        if not path and value is not None and not isinstance(value, str):
+            # Not the value itself, as get() would say: ``redis_password: 1234`` is a secret.
+            self.at(key).report(f"must be a string, got {type(value).__name__}")
+            return ""
         try:
-            return read_file(path) if path else expand(self.get(key, str, ""))
+            return read_file(path) if path else expand(value or "")
         except SecretError as exc:
             self.at(f"{key}_file" if path else key).report(str(exc))
             return ""

@@ -123,6 +123,11 @@ def test_unresolvable_secrets_are_reported_without_the_value(
     ]
 
 
+def test_a_secret_of_the_wrong_type_is_not_echoed() -> None:
+    (problem,) = errors(store={"backend": "redis", "redis_password": 987654321})
+    assert problem == "epp.yaml: store.redis_password: must be a string, got int"
+
+
 def test_redis_credentials_from_files_are_merged_into_the_url(tmp_path: Path) -> None:
     loaded = config(
         store={
