@@ -3,15 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from epp import __version__
-from epp.config import Config, ConfigError, StoreConfig, load_config, server_problems
+from epp.config import Config, ConfigError, load_config, server_problems
 from epp.discovery import DiscoveryOptions
 from epp.discovery.spec import kubernetes_override
 from epp.observability import setup_logging
+from epp.secrets import SecretError, read_file
+from epp.state.shared.connect import has_password
+
+# The Redis URL without a command-line flag: it may carry a password, which a flag would show
+# to every user of the machine (ps) and the container runtime.
+REDIS_URL_ENV = "EPP_REDIS_URL"
+
+
+def _redis_url(args: argparse.Namespace) -> str | None:
+    """``--redis-url``, the file ``--redis-url-file`` names, or $EPP_REDIS_URL, in that order."""
+    if args.redis_url:
+        if has_password(args.redis_url):
+            print(
+                "epp: warning: --redis-url carries a password, which the process list shows; "
+                f"use --redis-url-file or ${REDIS_URL_ENV}, or store.redis_password_file",
+                file=sys.stderr,
+            )
+        return str(args.redis_url)
+    if args.redis_url_file:
+        return read_file(args.redis_url_file)
+    return os.environ.get(REDIS_URL_ENV) or None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,10 +47,13 @@ def _serve(args: argparse.Namespace) -> int:
         print("epp: fix the keys named above and start again.", file=sys.stderr)
         return 2
     config = loaded
-    if args.redis_url:
-        config = replace(
-            config, store=StoreConfig("redis", args.redis_url, config.store.key_prefix)
-        )
+    try:
+        redis_url = _redis_url(args)
+    except SecretError as exc:
+        print(f"epp: --redis-url-file: {exc}", file=sys.stderr)
+        return 2
+    if redis_url:
+        config = replace(config, store=config.store.with_url(redis_url))
     server = config.server
     overrides = {
         k: v
@@ -48,6 +73,9 @@ def _serve(args: argparse.Namespace) -> int:
     if problems:
         return 2
     if args.workers > 1:
+        if redis_url:
+            # The workers read it where a secret belongs, not from their command line.
+            os.environ[REDIS_URL_ENV] = redis_url
         return _serve_workers(args, config)
     setup_logging(config.server.log_level)
     sources = {}
@@ -74,7 +102,6 @@ def _serve_workers(args: argparse.Namespace, config: Config) -> int:
         return 2
     base = [sys.executable, "-m", "epp", "serve", "--config", str(args.config)]
     for flag, value in (
-        ("--redis-url", args.redis_url),
         ("--host", args.host),
         ("--log-level", args.log_level),
         ("--pool-name", args.pool_name),
@@ -112,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the ext_proc endpoint picker")
     serve.add_argument("--config", "-c", required=True, help="epp YAML configuration file")
-    serve.add_argument("--redis-url", help="share state through Redis (overrides store:)")
+    redis = serve.add_mutually_exclusive_group()
+    redis.add_argument(
+        "--redis-url",
+        help=f"share state through Redis (overrides store.redis_url; default ${REDIS_URL_ENV}); "
+        "a password here shows in the process list: prefer --redis-url-file",
+    )
+    redis.add_argument(
+        "--redis-url-file", help="read the Redis URL from this file (a mounted secret)"
+    )
     serve.add_argument("--host", help="listen address (default from config: 0.0.0.0)")
     # GIE's EPP flag names are accepted too, so manifests written for it carry over.
     serve.add_argument(

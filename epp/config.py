@@ -11,21 +11,22 @@ Shape (every section optional except ``models`` and ``pools``)::
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
-               tls: {cert, key, client_ca}, debug_access: local|any, debug_token}
+               tls: {cert, key, client_ca}, debug_access: local|any, debug_token | debug_token_file}
     scrape:   {interval, timeout, failure_threshold}
-    routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage,
-               learned_capacity}
+    routing:  {fallbacks, max_body_bytes, explain, explain_token | explain_token_file,
+               inject_stream_usage, learned_capacity}
     autoscaling: {target_utilisation, replica_concurrency, window_seconds}
     request:  {session_header, priority_header, objective_header, fairness_header,
                objectives: {NAME: int | {priority, spill}}, trusted_headers,
-               api_keys: {KEY: {tenant, objective}}, engine_priority}
+               api_keys: {KEY: {tenant, objective}} | api_keys_file, engine_priority}
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, pool_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}, scope: group|local}
     budgets:  {tenants: {FAIRNESS_ID: {rpm, tpm}}, default: {rpm, tpm}, window_seconds}
               (tenant budgets, docs/admission.md)
     scheduling: {profile, plugins: [{name, type, parameters}], profiles: {NAME: [{plugin, weight}]}}
-    store:    {backend: memory|redis, redis_url, key_prefix}
+    store:    {backend: memory|redis, redis_url | redis_url_file, key_prefix,
+               redis_username | redis_username_file, redis_password | redis_password_file}
     health:   {enabled, consecutive_failures, error_rate, window_seconds, min_requests, ...}
               (passive health, docs/health.md)
     tracing:  {endpoint, sample_ratio, service_name}  (OpenTelemetry, docs/tracing.md)
@@ -35,6 +36,14 @@ Validation reads the whole file and reports every problem, each with its key pat
 one :class:`ConfigError`; every profile is checked, selected or not. A :class:`Config` holds no
 live objects: the router builds the selected profile's plugins from its specification
 (:mod:`epp.scheduling.builder`). :data:`SECTIONS` says which sections a reload applies.
+
+Secrets need not be inline (:mod:`epp.secrets`): each secret key (``server.debug_token``,
+``routing.explain_token``, ``store.redis_url``, ``store.redis_username``,
+``store.redis_password``) expands ``${NAME}`` from the environment, or is read from the file
+its ``_file`` twin names (``store.redis_password_file: /run/secrets/redis/password``; one
+trailing newline dropped). ``request.api_keys_file`` names a YAML file holding the
+``request.api_keys`` mapping, and every API key expands ``${NAME}`` too. The Redis username
+and password are merged into ``store.redis_url`` (which must then carry no password itself).
 """
 
 from __future__ import annotations
@@ -60,8 +69,10 @@ from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
 from epp.scheduling.params import parse_params
+from epp.secrets import SecretError, expand, read_file
 from epp.state.health import HealthConfig
 from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
+from epp.state.shared.connect import has_password, with_credentials
 from epp.tls import ClientTls, ServerTls, client_tls_problems, server_tls_problems
 from epp.tracing import TracingConfig
 
@@ -138,7 +149,7 @@ class ServerConfig:
     # port-forward, podman exec, the host itself), or anyone who reaches the port ("any").
     # A caller with "Authorization: Bearer <debug_token>" is let in from anywhere.
     debug_access: str = "local"
-    debug_token: str = ""
+    debug_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +167,7 @@ class RoutingConfig:
     explain: bool = False
     # With a token, only requests carrying "x-epp-explain: <token>" get the scores (the header
     # is removed before the request goes upstream); without one, every client does.
-    explain_token: str = ""
+    explain_token: str = field(default="", repr=False)
     # Add stream_options.include_usage to streaming requests that lack it, so epp learns their
     # token usage, and remove the extra usage chunk from what the client receives.
     inject_stream_usage: bool = False
@@ -191,8 +202,19 @@ class RoutingConfig:
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     backend: str = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # What epp connects with, redis_username and redis_password merged in: a secret.
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     key_prefix: str = "epp"
+    # Kept apart as well, so a URL given on the command line gets them too.
+    redis_username: str = ""
+    redis_password: str = field(default="", repr=False)
+
+    def with_url(self, url: str) -> StoreConfig:
+        """The Redis store at ``url`` (``epp serve --redis-url``), with the configured
+        credentials unless ``url`` carries a password of its own."""
+        if self.redis_password and not has_password(url):
+            url = with_credentials(url, self.redis_username, self.redis_password)
+        return dataclasses.replace(self, backend="redis", redis_url=url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +452,24 @@ class _Node:
     def optional_real(self, key: str) -> float | None:
         return None if self.at(key).value is None else self.get(key, float, 0.0)
 
+    def secret(self, key: str) -> str:
+        """``key`` with ``${NAME}`` expanded from the environment, or the contents of the
+        file ``key_file`` names (:mod:`epp.secrets`); "" when neither is set."""
+        path = self.get(f"{key}_file", str, "")
+        value = self.at(key).value
+        if path and value is not None:
+            self.at(f"{key}_file").report(f"must not be set together with {key}")
+            return ""
+        if not path and value is not None and not isinstance(value, str):
+            # Not the value itself, as get() would say: ``redis_password: 1234`` is a secret.
+            self.at(key).report(f"must be a string, got {type(value).__name__}")
+            return ""
+        try:
+            return read_file(path) if path else expand(value or "")
+        except SecretError as exc:
+            self.at(f"{key}_file" if path else key).report(str(exc))
+            return ""
+
 
 _NAMES: dict[type, str] = {
     int: "an integer",
@@ -568,6 +608,7 @@ def _server(node: _Node) -> ServerConfig:
         "tls",
         "debug_access",
         "debug_token",
+        "debug_token_file",
     )
     d = ServerConfig()
     access = node.get("debug_access", str, d.debug_access)
@@ -588,7 +629,7 @@ def _server(node: _Node) -> ServerConfig:
         shutdown_grace_seconds=node.real("shutdown_grace_seconds", d.shutdown_grace_seconds, ge=0),
         tls=_server_tls(node.at("tls")),
         debug_access=access,
-        debug_token=node.get("debug_token", str, d.debug_token),
+        debug_token=node.secret("debug_token"),
     )
     node.errors.extend(server_problems(server, node.source))
     return server
@@ -637,6 +678,7 @@ def _routing(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> RoutingConfig
         "max_body_bytes",
         "explain",
         "explain_token",
+        "explain_token_file",
         "inject_stream_usage",
         "learned_capacity",
         "passthrough",
@@ -656,7 +698,7 @@ def _routing(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> RoutingConfig
         fallbacks=node.integer("fallbacks", d.fallbacks, ge=0),
         max_body_bytes=node.integer("max_body_bytes", d.max_body_bytes, ge=1),
         explain=node.get("explain", bool, d.explain),
-        explain_token=node.get("explain_token", str, d.explain_token),
+        explain_token=node.secret("explain_token"),
         inject_stream_usage=node.get("inject_stream_usage", bool, d.inject_stream_usage),
         learned_capacity=node.get("learned_capacity", bool, d.learned_capacity),
         passthrough=passthrough,
@@ -672,6 +714,7 @@ def _request(node: _Node) -> RequestPolicy:
         "objectives",
         "trusted_headers",
         "api_keys",
+        "api_keys_file",
         "engine_priority",
     )
     d = RequestPolicy()
@@ -694,9 +737,7 @@ def _request(node: _Node) -> RequestPolicy:
             continue
         objectives[name] = value.value
     api_keys: dict[str, ApiKey] = {}
-    for index, (key, entry) in enumerate(node.child("api_keys").items()):
-        # Never echo a key in an error message: name it by position.
-        entry.path = f"{node.path}.api_keys[{index}]"
+    for key, entry in _api_key_entries(node):
         entry.only("tenant", "objective")
         tenant = entry.get("tenant", str, "")
         if not tenant:
@@ -717,6 +758,47 @@ def _request(node: _Node) -> RequestPolicy:
         api_keys=api_keys,
         engine_priority=node.get("engine_priority", bool, d.engine_priority),
     )
+
+
+# An API-key map of a few hundred thousand keys; a larger file is a wrong path.
+MAX_API_KEYS_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _api_key_entries(node: _Node) -> list[tuple[str, _Node]]:
+    """``request.api_keys``, or the same mapping from the YAML file ``api_keys_file`` names;
+    every key with ``${NAME}`` expanded. Entries are named by position (``api_keys[2]``),
+    never by their key: error messages must not echo a secret."""
+    keys = node.child("api_keys")
+    path = node.get("api_keys_file", str, "")
+    if path:
+        if keys.value is not None:
+            node.at("api_keys_file").report("must not be set together with api_keys")
+            return []
+        try:
+            data = yaml.safe_load(read_file(path, MAX_API_KEYS_FILE_BYTES))
+        except SecretError as exc:
+            node.at("api_keys_file").report(str(exc))
+            return []
+        except yaml.YAMLError as exc:
+            # Not str(exc): YAML's message quotes the offending line, which may be a key.
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            node.at("api_keys_file").report(f"{path} is not valid YAML{where}")
+            return []
+        keys = _Node(data, f"{node.path}.api_keys_file", node.source, node.errors)
+    entries = []
+    for index, (key, entry) in enumerate(keys.items()):
+        entry.path = f"{node.path}.api_keys[{index}]"
+        try:
+            key = expand(key)
+        except SecretError as exc:
+            entry.report(str(exc))
+            continue
+        if not key:
+            entry.report("must have a non-empty key")
+            continue
+        entries.append((key, entry))
+    return entries
 
 
 def _latency_target(node: _Node) -> LatencyTarget:
@@ -893,15 +975,26 @@ def _limits(node: _Node) -> Limits:
 
 
 def _store(node: _Node) -> StoreConfig:
-    node.only("backend", "redis_url", "key_prefix")
+    secrets = ("redis_url", "redis_username", "redis_password")
+    node.only("backend", "key_prefix", *secrets, *(f"{key}_file" for key in secrets))
     d = StoreConfig()
     backend = node.get("backend", str, d.backend)
     if backend not in ("memory", "redis"):
         node.at("backend").report(f"must be 'memory' or 'redis', got {backend!r}")
-    url = node.get("redis_url", str, d.redis_url)
+    url = node.secret("redis_url") or d.redis_url
+    username = node.secret("redis_username")
+    password = node.secret("redis_password")
     if not url.startswith(REDIS_SCHEMES):  # standalone, Sentinel or Cluster: see epp.state.shared
+        # Not the URL itself: it may carry a password.
         node.at("redis_url").report(f"must start with one of {', '.join(REDIS_SCHEMES)}")
-    return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix))
+    elif password and has_password(url):
+        node.at("redis_password").report("must not be set when redis_url carries a password")
+    elif password:
+        url = with_credentials(url, username, password)
+    given = any(node.at(key).value is not None for key in ("redis_password", "redis_password_file"))
+    if username and not given:
+        node.at("redis_username").report("needs redis_password (Redis authenticates both)")
+    return StoreConfig(backend, url, node.get("key_prefix", str, d.key_prefix), username, password)
 
 
 def _health(node: _Node) -> HealthConfig:

@@ -6,7 +6,8 @@
 set -eu
 here=$(dirname "$0")
 python=${PYTHON:-$here/../../.venv/bin/python}
-exec "$python" -m epp envoy-config --config "$here/epp.yaml" \
+# epp.yaml reads Redis' password from the environment; Envoy's configuration does not use it.
+EPP_REDIS_PASSWORD=${EPP_REDIS_PASSWORD:-not-needed-by-envoy-config} exec "$python" -m epp envoy-config --config "$here/epp.yaml" \
   --listen 0.0.0.0:8080 --admin 0.0.0.0:9901 \
   --extproc epp-1:9002 --extproc epp-2:9002 --health epp-1:9003 --health epp-2:9003 \
   -o "${1:-$here/envoy.yaml}"

@@ -1,6 +1,8 @@
 """Bring up docker-compose.yml under podman-compose and check it does what docs/deploy.md says.
 
 1. ``up``: Envoy, two epp, Redis, two simulated replicas, Prometheus, the Grafana stand-in.
+   Redis authenticates (a random EPP_REDIS_PASSWORD, as docs/deploy.md has users set): a
+   client without the password is refused, and both epps share state through it as ``epp``.
 2. Requests through Envoy land on the replica epp chose: each response's ``x-served-by`` (the
    replica's own address) equals the first endpoint of epp's decision for that request id
    (``/debug/decisions/<id>`` on whichever epp handled it), and both epps take requests.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import time
@@ -110,6 +114,7 @@ class Stack:
             **IMAGES,
             **{k: str(v) for k, v in self.ports.items()},
             "COMPOSE_PROJECT_NAME": self.project,
+            "EPP_REDIS_PASSWORD": secrets.token_hex(16),
         }
 
     def run(self, *args: str, check: bool = True) -> str:
@@ -244,6 +249,12 @@ class Stack:
             ready.append({a for a, e in found.items() if isinstance(e, dict) and e.get("ready")})
         return all(len(r) == count for r in ready) and ready[0] == ready[1] <= self.envoy_pool()
 
+    def metric(self, epp: str, name: str) -> float | None:
+        """One unlabelled sample of ``epp``'s /metrics, None while it does not answer."""
+        status, _, body = http(f"{self.url(epp)}/metrics")
+        found = re.search(rf"^{name} (\S+)$", body.decode(), re.MULTILINE)
+        return float(found.group(1)) if status == 200 and found else None
+
     def logs(self) -> str:
         return self.run("logs", "--tail", "30", check=False)
 
@@ -341,6 +352,23 @@ def main() -> int:
 
         wait_for("both epps and Envoy to know the 2 replicas", lambda: stack.agreed(2), 60, 0.2)
         wait_for("Envoy's health checks to pass on both epps", stack.envoy_sees_both_epps, 30, 0.2)
+
+        step("Redis refuses a client without the password; both epps share state through it")
+        (redis,) = stack.containers("redis")
+        refused = stack.podman("exec", redis, "redis-cli", "set", "{epp}:stranger", "1").strip()
+        if not refused.startswith("NOAUTH"):
+            raise StackError(f"Redis let a client without the password in: {refused!r}")
+        wait_for(
+            "epp_state_store_up 1 and epp_shared_members 2 on both epps",
+            lambda: all(
+                stack.metric(epp, "epp_state_store_up") == 1
+                and stack.metric(epp, "epp_shared_members") == 2
+                for epp in EPPS
+            ),
+            30,
+            0.5,
+        )
+        print(f"    without the password: {refused}; with it: both epps in one group", flush=True)
         step("requests until both epps have decided one (active-active), each on epp's choice")
         first = Routed()
 

@@ -2,43 +2,69 @@
 
 ``check-jsonschema --builtin-schema vendor.compose-spec`` validates the shape but not the
 cross-references, so :func:`cross_reference_problems` checks those (depends_on targets, mounted
-files, host ports). The stack itself runs in the slow tier (``make test-compose``).
+files, host ports). Redis' authentication runs for real: the shipped Redis command under a local
+``redis-server``, epp's shipped configuration against it. The stack itself runs in the slow tier
+(``make test-compose``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.exceptions as redis_exceptions
 import yaml
 
 from epp.config import load_config
+from epp.devstack import free_port
 from epp.discovery.spec import DnsSpec
+from epp.state.shared.connect import connect
+from tests.helpers import redis_servers
 from tests.helpers.envoy import envoy_binary, validate
+from tests.unit.test_redis_auth import SHIPPED_ACL
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 VLLM_OVERRIDE = REPO / "docker-compose.vllm.yml"
 COMPOSE_DIR = REPO / "deploy" / "compose"
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
+# What a user sets before `docker compose up` (docs/deploy.md): the one variable without default.
+USER_ENV = {"EPP_REDIS_PASSWORD": "0123456789abcdef"}
 
 
-def interpolate(text: str) -> str:
-    """Compose's ``${VAR:-default}`` with every variable unset, as a fresh checkout runs it."""
-    return _VAR.sub(lambda m: m.group(2) or "", text)
+class UnsetVariable(ValueError):
+    pass
 
 
-def load(*files: Path) -> dict[str, Any]:
+def interpolate(text: str, env: Mapping[str, str] = USER_ENV) -> str:
+    """Compose's ``${VAR:-default}`` and ``${VAR:?error}`` with ``env`` set and every other
+    variable unset, as a fresh checkout runs it."""
+
+    def value(match: re.Match[str]) -> str:
+        name, kind, rest = match.groups()
+        if name in env:
+            return env[name]
+        if kind == "?":
+            raise UnsetVariable(f"{name}: {rest}")
+        return rest or ""
+
+    return _VAR.sub(value, text.replace("$$", "\0")).replace("\0", "$$")
+
+
+def load(*files: Path, env: Mapping[str, str] = USER_ENV) -> dict[str, Any]:
     """The files merged as ``docker compose -f A -f B`` merges services (enough for ours:
     mappings merge, ``volumes`` entries replace by container path, other values replace)."""
     merged: dict[str, Any] = {"services": {}}
     for path in files:
-        data = yaml.safe_load(interpolate(path.read_text()))
+        data = yaml.safe_load(interpolate(path.read_text(), env))
         for name, service in data.get("services", {}).items():
             base = merged["services"].setdefault(name, {})
             for key, value in service.items():
@@ -121,7 +147,8 @@ def test_cross_reference_check_can_fail(tmp_path: Path) -> None:
     assert "waits for sim to be healthy" in found
 
 
-def test_the_stack_has_every_piece() -> None:
+def test_the_stack_has_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPP_REDIS_PASSWORD", USER_ENV["EPP_REDIS_PASSWORD"])
     services = load(COMPOSE)["services"]
     assert {"envoy", "epp-1", "epp-2", "redis", "sim", "prometheus", "grafana"} <= set(services)
     # Image names are variables, so tests (and users) can substitute their own.
@@ -136,20 +163,48 @@ def test_the_stack_has_every_piece() -> None:
     assert isinstance(dns, DnsSpec)
     assert dns.name in services
     assert config.store.backend == "redis"
-    assert "//redis:" in config.store.redis_url
+    assert "@redis:" in config.store.redis_url
 
 
-def test_vllm_override_runs_vllm_under_the_simulators_name() -> None:
+def test_vllm_override_runs_vllm_under_the_simulators_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     services = load(COMPOSE, VLLM_OVERRIDE)["services"]
     assert services["sim"]["scale"] == 0
     vllm = services["vllm"]
     assert "sim" in vllm["networks"]["default"]["aliases"]
     assert "--enable-prefix-caching" in vllm["command"]
-    (events,) = (a for a in vllm["command"] if a.startswith("--kv-events-config="))
-    assert yaml.safe_load(events.partition("=")[2])["enable_kv_cache_events"] is True
     served = next(a for a in vllm["command"] if a.startswith("--served-model-name="))
+    monkeypatch.setenv("EPP_REDIS_PASSWORD", USER_ENV["EPP_REDIS_PASSWORD"])
     config = load_config(str(COMPOSE_DIR / "epp-vllm.yaml"))
     assert served.partition("=")[2] in config.models
+
+
+def test_vllm_publishes_kv_events_on_its_own_address(tmp_path: Path) -> None:
+    """The override's entrypoint, run with a stand-in ``vllm`` that prints its arguments:
+    the KV events go to the container's address, with the command's flags before them."""
+    vllm = load(COMPOSE, VLLM_OVERRIDE)["services"]["vllm"]
+    fake = tmp_path / "vllm"
+    fake.write_text(
+        "#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n"
+    )
+    fake.chmod(0o755)
+    shell, flag, script, name = vllm["entrypoint"]
+    out = subprocess.run(
+        [shell, flag, script.replace("$$", "$"), name, *vllm["command"]],
+        env={"PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    argv = json.loads(out.stdout)
+    assert argv[: len(vllm["command"]) + 1] == ["serve", *vllm["command"]]
+    (events,) = (a for a in argv if a.startswith("--kv-events-config="))
+    config = json.loads(events.partition("=")[2])
+    assert config["enable_kv_cache_events"] is True
+    host = config["endpoint"].removeprefix("tcp://").rpartition(":")[0]
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", host), config
+    assert host != "0.0.0.0"
 
 
 def test_committed_compose_envoy_config_is_current(tmp_path: Path) -> None:
@@ -218,3 +273,61 @@ def test_compose_envoy_reaches_epp_and_replicas_by_name() -> None:
     assert hosts("pool") == {"sim"}
     services = load(COMPOSE)["services"]
     assert hosts("epp") | hosts("pool") <= set(services)
+
+
+def test_redis_has_no_default_password() -> None:
+    """Without EPP_REDIS_PASSWORD compose refuses to start: no stack runs with a known one."""
+    with pytest.raises(UnsetVariable, match="EPP_REDIS_PASSWORD"):
+        load(COMPOSE, env={})
+    services = load(COMPOSE)["services"]
+    redis = services["redis"]
+    assert "ports" not in redis
+    script = " ".join(redis["command"])
+    assert "protected-mode" not in script
+    assert "--user default off resetpass" in script
+    assert script.endswith(SHIPPED_ACL.replace("~{epp}*", "'~{epp}*'"))
+    for name in ("redis", "epp-1", "epp-2"):
+        assert services[name]["environment"] == USER_ENV, name
+
+
+@pytest.fixture
+def shipped_redis(tmp_path: Path) -> Iterator[int]:
+    """The compose file's Redis command, run by a local redis-server on a port of its own."""
+    if not redis_servers.available():
+        pytest.skip("redis-server not installed")
+    redis = load(COMPOSE)["services"]["redis"]
+    shell, flag, script = redis["command"]
+    port = free_port()
+    script = script.replace("$$", "$").replace(
+        "exec redis-server", f"exec redis-server --bind 127.0.0.1 --port {port} --dir {tmp_path}"
+    )
+    proc = subprocess.Popen(
+        [shell, flag, script],
+        env={**os.environ, **redis["environment"]},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        redis_servers.wait_for_port(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+async def test_epp_authenticates_to_the_shipped_redis(
+    shipped_redis: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """epp's compose configuration connects to the compose Redis as the ACL user, while a
+    client without the password is refused."""
+    monkeypatch.setenv("EPP_REDIS_PASSWORD", USER_ENV["EPP_REDIS_PASSWORD"])
+    store = load_config(str(COMPOSE_DIR / "epp.yaml")).store
+    client = connect(store.redis_url.replace("@redis:6379", f"@127.0.0.1:{shipped_redis}"))
+    stranger = connect(f"redis://127.0.0.1:{shipped_redis}/0")
+    try:
+        assert await client.set("{epp}:probe", "1")
+        with pytest.raises(redis_exceptions.AuthenticationError):
+            await stranger.get("{epp}:probe")
+    finally:
+        await client.aclose()
+        await stranger.aclose()

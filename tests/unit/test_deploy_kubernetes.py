@@ -5,11 +5,17 @@ shared CRD directory, see tests/helpers/k8s_schema.py). The checks are shown to 
 
 The CRD checks skip, with the reason, where no CRD directory is found; this project's CI provides
 it as ../shared/k8s, so under ``CI=true`` they fail instead (tests/helpers/ci_strict.py).
+
+The trust boundary too: NetworkPolicies admit only the flows docs/kubernetes.md lists, the
+build holds no secret (the Secret it needs validates and is referenced consistently), binds no
+wildcard address for the KV events and mounts no service-account token where none is needed.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -24,6 +30,7 @@ from epp.cli import build_parser
 from epp.config import load_config
 from epp.discovery.spec import KubernetesSpec
 from tests.helpers import k8s_schema
+from tests.unit.test_redis_auth import SHIPPED_ACL
 
 REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
@@ -93,7 +100,10 @@ def test_overlay_holds_the_pieces(overlay: list[dict[str, Any]]) -> None:
         "InferencePool",
         "HTTPRoute",
         "Gateway",
+        "NetworkPolicy",
     } <= kinds
+    # The Secret is the user's to create (docs/kubernetes.md), never part of the build.
+    assert "Secret" not in kinds
 
 
 def test_pool_route_and_epp_reference_each_other(overlay: list[dict[str, Any]]) -> None:
@@ -257,7 +267,12 @@ def test_epp_accepts_its_config_and_arguments(
     ``epp`` command line (Kubernetes substitutes ``$(POD_NAMESPACE)`` first)."""
     (config_map,) = by_kind(overlay, "ConfigMap")
     path = tmp_path / "epp.yaml"
-    path.write_text(config_map["data"]["epp.yaml"])
+    # The Redis password file is where the Deployment mounts the Secret: here a file of ours.
+    password = tmp_path / "password"
+    password.write_text("pw\n")
+    data = yaml.safe_load(config_map["data"]["epp.yaml"])
+    data["store"]["redis_password_file"] = str(password)
+    path.write_text(yaml.safe_dump(data))
     config = load_config(str(path))
     (spec,) = config.discovery.values()
     assert isinstance(spec, KubernetesSpec)
@@ -275,3 +290,230 @@ def test_epp_accepts_its_config_and_arguments(
         ports["metrics"],
     )
     assert parsed.pool_name == spec.pool_name
+
+
+# ------------------------------------------------------------------- the trust boundary
+
+
+def deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (found,) = (d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == name)
+    return found
+
+
+def container_port(docs: list[dict[str, Any]], app: str, port: str) -> str:
+    """``port`` (a name or a number) of ``app``'s container, as its name."""
+    spec = deployment(docs, app)["spec"]["template"]["spec"]
+    for c in spec["containers"]:
+        for p in c["ports"]:
+            if port in (p["name"], p["containerPort"]):
+                return str(p["name"])
+    raise AssertionError(f"{app} has no port {port}")
+
+
+def admitted(docs: list[dict[str, Any]], app: str, port: str) -> list[dict[str, Any]] | None:
+    """The peers the NetworkPolicies let reach ``app``'s ``port``: None when no policy selects
+    ``app`` (everything gets in), ``[{}]`` when a rule admits everyone."""
+    labels = deployment(docs, app)["spec"]["template"]["metadata"]["labels"]
+    selecting = [
+        p
+        for p in by_kind(docs, "NetworkPolicy")
+        if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    if not selecting:
+        return None
+    peers: list[dict[str, Any]] = []
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [container_port(docs, app, p["port"]) for p in rule.get("ports", [])]
+            if not ports or port in ports:
+                peers += rule.get("from") or [{}]
+    return peers
+
+
+def app_peer(app: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {"app": app}}}
+
+
+def gateway_peer(peer: dict[str, Any]) -> bool:
+    """A selector of the gateway's own pods (by the Gateway's name), nothing wider."""
+    labels = peer.get("podSelector", {}).get("matchLabels", {})
+    return any(k.startswith("gateway.") and v == "inference-gateway" for k, v in labels.items())
+
+
+def test_network_policies_admit_only_the_listed_flows(overlay: list[dict[str, Any]]) -> None:
+    # epp's ext_proc port: the gateway's Envoy only.
+    ext_proc = admitted(overlay, "epp", "grpc")
+    assert ext_proc
+    assert all(gateway_peer(p) for p in ext_proc), ext_proc
+    # The replicas' serving port: the gateway (requests) and epp (scrapes /metrics).
+    serving = admitted(overlay, "vllm", "http")
+    assert serving is not None
+    assert app_peer("epp") in serving
+    assert all(p == app_peer("epp") or gateway_peer(p) for p in serving), serving
+    assert any(gateway_peer(p) for p in serving)
+    # Everyone's prompt token ids and the shared state: epp only.
+    assert admitted(overlay, "vllm", "kv-events") == [app_peer("epp")]
+    assert admitted(overlay, "redis", "redis") == [app_peer("epp")]
+    # Health answers kubelet's probes from anywhere; metrics only Prometheus' namespace.
+    assert admitted(overlay, "epp", "grpc-health") == [{}]
+    (metrics,) = admitted(overlay, "epp", "metrics") or [{}]
+    assert metrics.keys() == {"namespaceSelector"}
+
+
+def test_network_policy_model_sees_an_open_door() -> None:
+    """The check above fails on a policy that lets any pod reach Redis or the KV events."""
+    docs = render(KUBE / "overlays" / "envoy-gateway")
+    policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "redis")
+    policy["spec"]["ingress"].append({"ports": [{"port": 6379}]})
+    assert admitted(docs, "redis", "redis") == [app_peer("epp"), {}]
+    vllm = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "vllm")
+    vllm["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}})
+    assert admitted(docs, "vllm", "kv-events") != [app_peer("epp")]
+    assert problems(policy) == []
+    policy["spec"]["ingress"][0]["form"] = policy["spec"]["ingress"][0].pop("from")
+    assert problems(policy) != []
+
+
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|API_?KEY|CREDENTIAL", re.IGNORECASE)
+INLINE_SECRET_KEYS = ("debug_token", "explain_token", "redis_password", "api_keys")
+
+
+def strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
+def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for d in by_kind(docs, "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        for c in (*spec.get("initContainers", []), *spec["containers"]):
+            yield d["metadata"]["name"], c
+
+
+def inline_secrets(docs: list[dict[str, Any]]) -> list[str]:
+    """Every secret the build carries as text rather than as a reference."""
+    found = [f"Secret/{d['metadata']['name']}" for d in by_kind(docs, "Secret")]
+    for name, c in containers(docs):
+        for env in c.get("env", []):
+            if SECRET_NAME.search(env["name"]) and "value" in env:
+                found.append(f"{name}: env {env['name']} has an inline value")
+        for text in strings([c.get("command", []), c.get("args", [])]):
+            if re.search(r"://[^/\s]*:[^/\s]*@|requirepass|--pass\b|>[^\s]", text):
+                found.append(f"{name}: a password on the command line: {text[:40]}...")
+    for config_map in by_kind(docs, "ConfigMap"):
+        for text in config_map.get("data", {}).values():
+            config = yaml.safe_load(text) or {}
+            for section in config.values():
+                for secret in INLINE_SECRET_KEYS:
+                    if isinstance(section, dict) and section.get(secret):
+                        found.append(f"ConfigMap/{config_map['metadata']['name']}: {secret}")
+            url = config.get("store", {}).get("redis_url", "")
+            if re.search(r"://[^/]*@", url) or "password=" in url:
+                found.append(f"ConfigMap/{config_map['metadata']['name']}: password in redis_url")
+    return found
+
+
+def test_the_build_holds_no_inline_secret(overlay: list[dict[str, Any]]) -> None:
+    assert inline_secrets(overlay) == []
+
+
+def test_inline_secret_check_can_fail() -> None:
+    docs = render(KUBE / "overlays" / "istio")
+    redis = deployment(docs, "redis")["spec"]["template"]["spec"]["containers"][0]
+    redis["args"] = ["--requirepass", "hunter2"]
+    redis.setdefault("env", []).append({"name": "REDIS_PASSWORD", "value": "hunter2"})
+    (config_map,) = by_kind(docs, "ConfigMap")
+    config = yaml.safe_load(config_map["data"]["epp.yaml"])
+    config["store"]["redis_url"] = "redis://epp:hunter2@redis:6379/0"
+    config["server"]["debug_token"] = "hunter2"
+    config_map["data"]["epp.yaml"] = yaml.safe_dump(config)
+    docs.append({"kind": "Secret", "metadata": {"name": "x"}, "data": {}})
+    found = "\n".join(inline_secrets(docs))
+    for expected in (
+        "Secret/x",
+        "env REDIS_PASSWORD",
+        "a password on the command line",
+        "password in redis_url",
+        "debug_token",
+    ):
+        assert expected in found, found
+
+
+def test_the_redis_secret_validates_and_both_sides_use_it(
+    overlay: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The Secret docs/kubernetes.md has users create is valid, and it is the one Redis and
+    epp mount: Redis builds its ACL user from it, epp's configuration reads it there."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl
+    out = subprocess.run(
+        [
+            *(kubectl, "create", "secret", "generic", "epp-redis", "--dry-run=client"),
+            *("-o", "yaml", "--from-literal=password=0123456789abcdef"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    secret = yaml.safe_load(out.stdout)
+    assert problems(secret) == []
+    assert base64.b64decode(secret["data"]["password"]) == b"0123456789abcdef"
+
+    def mount_of(app: str) -> str:
+        spec = deployment(overlay, app)["spec"]["template"]["spec"]
+        (volume,) = (
+            v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "epp-redis"
+        )
+        (container,) = spec["containers"]
+        (mount,) = (m for m in container["volumeMounts"] if m["name"] == volume["name"])
+        assert mount["readOnly"] is True
+        return str(mount["mountPath"])
+
+    config = yaml.safe_load(next(by_kind(overlay, "ConfigMap"))["data"]["epp.yaml"])
+    store = config["store"]
+    assert Path(store["redis_password_file"]) == Path(mount_of("epp")) / "password"
+    redis = deployment(overlay, "redis")["spec"]["template"]["spec"]["containers"][0]
+    script = " ".join(redis["args"])
+    assert f"{mount_of('redis')}/password" in script
+    assert "--user default off resetpass" in script
+    # The ACL the real-Redis test (test_redis_auth.py) runs epp under.
+    acl = SHIPPED_ACL.replace("~{epp}*", "'~{epp}*'")
+    assert f"--user {store['redis_username']} on " in script
+    assert script.endswith(acl)
+
+
+def test_kv_events_bind_the_pod_address_and_nothing_binds_a_wildcard(
+    overlay: list[dict[str, Any]],
+) -> None:
+    """vLLM publishes KV events on $(POD_IP), which the downward API sets to the pod's address.
+    epp's own listeners (server.host in the ConfigMap) are the one wildcard: in the pod's
+    network namespace that is the pod address and loopback (kubectl port-forward)."""
+    wildcard = re.compile(r"tcp://\*|tcp://0\.0\.0\.0|tcp://\[::\]|--host[= ](0\.0\.0\.0|::)\b")
+    for name, c in containers(overlay):
+        for text in strings([c.get("command", []), c.get("args", []), c.get("env", [])]):
+            assert not wildcard.search(text), f"{name}: {text}"
+    (vllm,) = deployment(overlay, "vllm")["spec"]["template"]["spec"]["containers"]
+    (events,) = (a for a in vllm["args"] if a.startswith("--kv-events-config="))
+    assert yaml.safe_load(events.partition("=")[2])["endpoint"] == "tcp://$(POD_IP):5557"
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_only_epp_mounts_a_service_account_token(overlay: list[dict[str, Any]]) -> None:
+    """epp reads the InferencePool and its pods through the API (--pool-name); nothing else
+    here talks to it, so nothing else gets a token to steal."""
+    for d in by_kind(overlay, "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        if d["metadata"]["name"] == "epp":
+            assert spec.get("automountServiceAccountToken", True) is True
+            (container,) = spec["containers"]
+            assert any(a.startswith("--pool-name=") for a in container["args"])
+        else:
+            assert spec.get("automountServiceAccountToken") is False, d["metadata"]["name"]

@@ -14,6 +14,11 @@ the whole configuration and no extra key can contradict the URL:
 
 Query parameters are redis-py's connection options (``?ssl_ca_certs=/ca.pem&socket_timeout=2``)
 and win over the defaults passed by the caller.
+
+Credentials and TLS enter through the URL alone: the userinfo authenticates (an ACL user, or
+``:password`` for the default user) and ``rediss`` with ``ssl_ca_certs`` (``ssl_certfile`` and
+``ssl_keyfile`` for a client certificate) verifies the server. :func:`with_credentials` puts a
+username and password read from elsewhere (``store.redis_password_file``) into a URL.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import math
 import time
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -71,6 +76,21 @@ def hash_tag(prefix: str) -> str:
     if open_at >= 0 and prefix.find("}", open_at + 2) > open_at:
         return prefix
     return f"{{{prefix}}}"
+
+
+def has_password(url: str) -> bool:
+    """Whether ``url`` authenticates: a password in its userinfo or its query."""
+    parts = urlsplit(url)
+    return bool(parts.password) or "password" in parse_qs(parts.query)
+
+
+def with_credentials(url: str, username: str, password: str) -> str:
+    """``url`` authenticating as ``username`` (empty: Redis' ``default`` user) with
+    ``password``, percent-encoded, in place of any userinfo it had."""
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    userinfo = f"{quote(username, safe='')}:{quote(password, safe='')}"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{hosts}"))
 
 
 def connect(url: str, **defaults: Any) -> Client:
