@@ -121,9 +121,12 @@ async def _send_after(
     url: str,
     request: Request,
     limit_s: float,
+    think: float = 0.0,
 ) -> Outcome:
-    """Send once ``previous`` (the conversation's last turn) has been answered."""
+    """Send ``think`` seconds after ``previous`` (the conversation's last turn) was answered."""
     await asyncio.wait([previous])
+    if think > 0:
+        await asyncio.sleep(think)
     return await _send(session, url, request, limit_s)
 
 
@@ -135,12 +138,14 @@ async def run_stage(
     request_timeout: float,
     drain_timeout: float,
     after: Sequence[int | None] | None = None,
+    think: Sequence[float] | None = None,
 ) -> StageRun:
     """Send ``requests[i]`` at ``arrivals[i]`` seconds, then wait (bounded) for all to finish.
 
     ``after[i]``, when given and not None, is the index of an earlier request that must have
     been answered first (a chat turn waits for the previous reply): request i is then sent at
-    its arrival or when that one ends, whichever is later, and its TTFT counts from then.
+    its arrival or ``think[i]`` seconds (default 0) after that one ends, whichever is later,
+    and its TTFT counts from then.
     Requests still running ``drain_timeout`` seconds after the last send are cancelled and
     counted as errors, so a saturated router cannot stretch a run without bound.
     """
@@ -164,7 +169,14 @@ async def run_stage(
             send = (
                 _send(session, url, request, request_timeout)
                 if previous is None
-                else _send_after(tasks[previous], session, url, request, request_timeout)
+                else _send_after(
+                    tasks[previous],
+                    session,
+                    url,
+                    request,
+                    request_timeout,
+                    think[i] if think is not None else 0.0,
+                )
             )
             tasks.append(asyncio.create_task(send))
         _, pending = await asyncio.wait(tasks, timeout=drain_timeout) if tasks else (set(), set())

@@ -107,6 +107,11 @@ class Stage:
                 last[item.follows] = i
         return out if any(a is not None for a in out) else None
 
+    def think(self) -> list[float] | None:
+        """Each request's think time after the turn it waits for (None when all are 0)."""
+        out = [item.think for item in self.items]
+        return out if any(out) else None
+
 
 def plan(workload: Workload, rates: Sequence[float], duration: float, fleet: Fleet) -> list[Stage]:
     """Draw every stage's requests up front (tokenizing is not part of the measurement) and
@@ -248,6 +253,7 @@ def measure(
                 request_timeout=args.request_timeout,
                 drain_timeout=args.drain_timeout,
                 after=stage.after(),
+                think=stage.think(),
             )
             trace = ""
             if args.trace:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Protocol
@@ -63,8 +63,10 @@ class Item:
     key: str
     prompt_ids: tuple[int, ...]
     lora: str | None = None
-    # A chat turn's conversation: the turn is sent only once the previous one was answered.
+    # A chat turn's conversation: the turn is sent only once the previous one was answered,
+    # and ``think`` seconds after that answer.
     follows: str | None = None
+    think: float = 0.0
 
 
 def _body(**fields: object) -> bytes:
@@ -341,8 +343,25 @@ def warmup(seconds: float, rate: float, seed: int) -> tuple[list[Request], list[
     return requests, [i / rate for i in range(count)]
 
 
-Workload = SharedPrefix | MultiTurn | LoraMix | Mixed
-WORKLOADS: dict[str, type[Workload]] = {
+class Workload(Protocol):
+    """A deterministic, endless request stream the routing benchmarks replay."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+    def shared_tokens(self) -> int: ...
+
+    def loras(self) -> tuple[list[str], int]: ...
+
+    def stream(self) -> Iterator[Item]: ...
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": SharedPrefix,
     "multi-turn": MultiTurn,
     "lora": LoraMix,
