@@ -30,18 +30,12 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from epp.admission.budgets import BUCKETS, SLICE_SPLIT, Budgets
 from epp.observability import BUDGET_LOCAL_MODE, BUDGET_REMAINING, child
-from epp.state.backoff import Backoff
-from epp.state.shared.connect import connect
+from epp.state.shared.client import SOCKET_TIMEOUT, Backoff, open_client
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
-
-_SOCKET_TIMEOUT = 1.0
 
 # KEYS[1]: the member set; KEYS[2..]: one window hash per account.
 # ARGV: process id, member TTL (ms), bucket width (ms), buckets, slice split; then per
@@ -115,12 +109,7 @@ class BudgetSync:
         member_ttl: float = 0.15,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._client = connect(
-            url,
-            socket_timeout=_SOCKET_TIMEOUT,
-            socket_connect_timeout=_SOCKET_TIMEOUT,
-            retry=Retry(NoBackoff(), 1),
-        )
+        self._client = open_client(url)
         self._ledger = ledger
         ledger.grouped = True  # keep what is charged for the group's window
         self._keys = keys
@@ -178,7 +167,7 @@ class BudgetSync:
             for ago, amount in ask.charges:
                 argv += [max(0, round(ago * 1000)), amount]
         try:
-            async with asyncio.timeout(_SOCKET_TIMEOUT):
+            async with asyncio.timeout(SOCKET_TIMEOUT):
                 reply = await self._client.eval(_SCRIPT, len(keys), *keys, *argv)
         except BaseException:
             ledger.failed(asks, now)
