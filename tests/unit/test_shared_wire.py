@@ -145,6 +145,8 @@ async def test_pick_entries(prefix: str, redis: Redis) -> None:
         msgpack.packb(["x", now, [["prefix", [E1, [1], 100]]], 99]),  # unknown version
         msgpack.packb(["x", now, [["prefix", [E1, "not hashes", 100]], "junk"], 1]),
         msgpack.packb(["x", now, [["health", [E2, "pool", far, 1, "forged"]]], 1]),
+        # An ejection streak no process reaches: 2**n of it would overflow the next ejection.
+        msgpack.packb(["x", now, [["health", [E3, "pool", now + 5, 10**6, "forged"]]], 1]),
         msgpack.packb(["x", now, [["sessions", ["s1", E3, far]]], 1]),
         msgpack.packb(["x", now, [["prefix", [E4, [7, 8], 100, "a later field"]]], 1]),
         msgpack.packb(["x", now, [["prefix", [E5, [9], 100]]]]),  # version 0
@@ -161,13 +163,14 @@ async def test_pick_entries(prefix: str, redis: Redis) -> None:
         ceiling = time.time() + fleet.health.config.max_ejection_seconds + wire.SKEW
         assert health is not None
         assert 0 < health.until <= ceiling
+        assert fleet.health.state(E3) is None
         assert fleet.sessions.get("s1", time.time()) == E3  # kept, with its expiry clamped
         assert fleet.sessions.get("s1", time.time() + 2 * 86_400) is None
         assert member._task is not None
         assert not member._task.done()
     finally:
         await member.stop()
-    assert rejected("picks", "malformed") - before["malformed"] == 4
+    assert rejected("picks", "malformed") - before["malformed"] == 5
     assert rejected("picks", "version") - before["version"] == 1
     assert rejected("picks", "future") - before["future"] == 2
 

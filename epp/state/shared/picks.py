@@ -25,8 +25,8 @@ Each entry holds one field ``d``: msgpack ``[origin id, wall time shipped, [[cha
 item being the table's tuple (e.g. ``Insertion``) as a list. The version comes last, where
 readers of the unversioned encoding (which read the first three elements) ignore it. Readers
 check every entry and item (:mod:`epp.state.shared.wire`): one they cannot use is skipped and
-counted, and a timestamp an item carries (an ejection's end, a binding's expiry) lies at most
-its channel's horizon in the future. Batching matters: redis-py parses replies in pure
+counted, and each channel bounds what its items may hold (:mod:`epp.state.shared.bounds`: an
+ejection's end, a binding's expiry). Batching matters: redis-py parses replies in pure
 Python; with one command and one entry per item, sharing cost two processes ~0.5 ms of CPU per
 decision on top of ~0.9 ms, batched ~0.25 ms (benchmarks/multi_epp.py). Memory: MAXLEN entries
 of at most 32 items of at most 256 block hashes, ~75 MB in the worst case, a few MB for ordinary
@@ -41,7 +41,7 @@ import time
 import typing
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
@@ -80,15 +80,14 @@ class Replicated(Protocol):
 class Channel:
     """One replicated table: its tag in stream entries and how to rebuild its items.
 
-    ``item`` is the NamedTuple shipped; ``horizons`` names its fields holding a wall time and
-    how many seconds past now each may lie (asked when an entry arrives: a reload may change
-    it); a later one is clamped there.
+    ``item`` is the NamedTuple shipped; ``check`` takes one whose field types are right and
+    the wall time now, and returns it within the table's bounds or raises ``wire.Malformed``.
     """
 
     tag: str
     table: Replicated
     item: Callable[..., Any]
-    horizons: Mapping[str, Callable[[], float]] = field(default_factory=dict)
+    check: Callable[[Any, float], Any] = lambda item, _now: item
 
 
 class PickStream:
@@ -261,15 +260,7 @@ class PickStream:
         channel = self._channels.get(tag)
         if channel is None:
             return tag, None
-        value = wire.record(channel.item, self._hints[tag], raw, tag)
-        if channel.horizons:
-            value = value._replace(
-                **{
-                    name: wire.clamp("picks", getattr(value, name), now + horizon())
-                    for name, horizon in channel.horizons.items()
-                }
-            )
-        return tag, value
+        return tag, channel.check(wire.record(channel.item, self._hints[tag], raw, tag), now)
 
 
 def _open(fields: Mapping[bytes, bytes], now: float) -> tuple[str, float, list[Any]]:

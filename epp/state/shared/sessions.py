@@ -17,9 +17,6 @@ from epp.state.sessions import DEFAULT_MAX_SESSIONS, SessionTable
 
 # Local bindings kept for shipping; the oldest are dropped beyond this (as in the prefix index).
 RECENT_LIMIT = 4096
-# A binding read from another process expires at most this far ahead, whatever it says: a
-# forged or corrupt expiry must not pin a session for ever (session TTLs are minutes).
-BINDING_HORIZON = 86_400.0
 
 
 class Binding(NamedTuple):

@@ -32,7 +32,7 @@ from epp.observability import FLOW_GROUP, SHARED_INFLIGHT, SHARED_MEMBERS
 from epp.prefix.approximate import Insertion
 from epp.state.fleet import FleetState
 from epp.state.health import Verdict
-from epp.state.shared import wire
+from epp.state.shared import bounds, wire
 from epp.state.shared.client import SOCKET_TIMEOUT, Backoff, open_client
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
@@ -41,7 +41,7 @@ from epp.state.shared.loads import encode, total
 from epp.state.shared.picks import Channel, PickStream
 from epp.state.shared.queues import decode as decode_queue
 from epp.state.shared.queues import encode as encode_queue
-from epp.state.shared.sessions import BINDING_HORIZON, Binding, SharedSessionTable
+from epp.state.shared.sessions import Binding, SharedSessionTable
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +87,12 @@ class SharedState:
         self._ticks = 0
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
-        health = fleet.health
         channels = [
             Channel("prefix", fleet.prefix, Insertion),
-            # No ejection lasts longer than the configured maximum, wherever it was decided.
-            Channel(
-                "health", health, Verdict, {"until": lambda: health.config.max_ejection_seconds}
-            ),
+            Channel("health", fleet.health, Verdict, bounds.verdicts(fleet.health)),
         ]
         if isinstance(fleet.sessions, SharedSessionTable):
-            horizon = {"expires_at": lambda: BINDING_HORIZON}
-            channels.append(Channel("sessions", fleet.sessions, Binding, horizon))
+            channels.append(Channel("sessions", fleet.sessions, Binding, bounds.binding))
         self._picks = PickStream(
             self._client,
             self.keys,
