@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 # ARGV: process id, member TTL (ms), bucket width (ms), buckets, slice split; then per
 # account: limit, slice wanted, least worth granting, number of charges, and that many
 # (age in ms, amount) pairs.
-# Returns {members, {fields malformed, members or buckets from the future}, {grant, {age in
-# buckets, amount, ...}}, ...}. A field that is not a number is deleted (no process wrote it);
-# members and buckets later than Redis's clock (plus a second of failover skew) are dropped:
-# a future member would shrink every share for ever, a future bucket spend budget for ever.
+# Returns {members, {fields malformed, members from the future}, {grant, {age in buckets,
+# amount, ...}}, ...}. A field that is not a number is deleted (no process wrote it); members
+# later than Redis's clock (plus a second of failover skew) are dropped, as they would shrink
+# every share for ever. Buckets past the current one are deleted, uncounted, as before: a
+# reload to a longer window leaves such buckets behind legitimately.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -80,7 +81,6 @@ for k = 2, #KEYS do
       malformed = malformed + 1
       redis.call('HDEL', KEYS[k], fields[j])
     elseif index < oldest or index > current or amount <= 0 then
-      if index > current + 1 then future = future + 1 end
       -- Gone from the window; from another bucket width (a reloaded window_seconds); or
       -- refunds of charges Redis lost (a restart): nothing to count.
       redis.call('HDEL', KEYS[k], fields[j])

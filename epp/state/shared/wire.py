@@ -113,8 +113,8 @@ def open_hash(kind: str, fields: Mapping[bytes, bytes]) -> Mapping[bytes, bytes]
         return fields
     try:
         check_version(int(raw))
-    except (ValueError, Malformed) as exc:
-        refused(kind, exc if isinstance(exc, Malformed) else Malformed(str(exc), UNKNOWN_VERSION))
+    except ValueError as exc:  # not a number, or one this release does not read
+        reject(kind, UNKNOWN_VERSION, exc)
         return {}
     return {k: v for k, v in fields.items() if k != HASH_VERSION.encode()}
 
