@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import typing
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ class Channel:
 
     tag: str
     table: Replicated
-    item: Callable[..., Any]
+    item: type
     check: Callable[[Any, float], Any] = lambda item, _now: item
 
 
@@ -113,7 +112,6 @@ class PickStream:
         self._key = keys.picks
         self._me = me
         self._channels = {c.tag: c for c in channels}
-        self._hints = {c.tag: typing.get_type_hints(c.item) for c in channels}
         self._maxlen = maxlen
         self._backlog = backlog
         # Items ([channel tag, item]) not yet in Redis, oldest first.
@@ -260,7 +258,7 @@ class PickStream:
         channel = self._channels.get(tag)
         if channel is None:
             return tag, None
-        return tag, channel.check(wire.record(channel.item, self._hints[tag], raw, tag), now)
+        return tag, channel.check(wire.record(channel.item, raw), now)
 
 
 def _open(fields: Mapping[bytes, bytes], now: float) -> tuple[str, float, list[Any]]:

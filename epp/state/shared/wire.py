@@ -20,6 +20,7 @@ two steps: one release reads it but still writes the old one, the next writes it
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -133,46 +134,72 @@ def count(value: object, what: str = "count") -> int:
     return value
 
 
-def typed(hint: Any, value: object, what: str) -> object:
-    """``value`` checked against a field's type hint (str, int, float, bool, ``X | None``,
-    sequences and sets of those); the value to store (sets and sequences rebuilt)."""
+Check = Callable[[object, str], Any]
+
+
+def typed(hint: Any, value: object, what: str) -> Any:
+    """``value`` checked against a field's type hint (see :func:`checker`)."""
+    return checker(hint)(value, what)
+
+
+@functools.cache
+def checker(hint: Any) -> Check:
+    """The check of a field of type ``hint`` (str, int, float, bool, ``X | None``, sequences
+    and sets of those): takes a decoded value and a name for errors, returns the value to store
+    (sets and sequences rebuilt) or raises :class:`Malformed`. Built once per type: readers
+    check every item of every entry."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return typed(inner, value, what)
+        args = typing.get_args(hint)
+        (inner,) = [checker(a) for a in args if a is not type(None)]
+        optional = type(None) in args
+        return lambda value, what: None if value is None and optional else inner(value, what)
     if hint is float:
-        return number(value, what)
-    if hint is int:
-        if type(value) is not int:
-            raise Malformed(f"{what} must be an integer, got {value!r}")
-        return value
-    if hint in (str, bool):
-        if type(value) is not hint:
-            raise Malformed(f"{what} must be {hint.__name__}, got {value!r}")
-        return value
-    if origin is not None and issubclass(origin, (Sequence, frozenset, set)):
-        if not isinstance(value, list | tuple):
-            raise Malformed(f"{what} must be a list, got {type(value).__name__}")
-        (inner,) = typing.get_args(hint)
-        if inner in (int, str):  # the common case (block hashes, adapter names), kept cheap
-            if not all(type(v) is inner for v in value):
-                raise Malformed(f"{what} must hold only {inner.__name__} values")
-            items = list(value)
-        else:
-            items = [typed(inner, v, what) for v in value]
-        return frozenset(items) if issubclass(origin, frozenset | set) else items
+        return number
+    if hint in (int, str, bool):
+        return functools.partial(_exactly, hint)
+    if origin is not None and issubclass(origin, Sequence | frozenset | set):
+        (item,) = typing.get_args(hint)
+        build: Callable[[Any], Any] = frozenset if issubclass(origin, frozenset | set) else list
+        if item in (int, str):  # block hashes, adapter names: one pass in C
+            allowed = {item}
+
+            def plain(value: object, what: str) -> Any:
+                if not isinstance(value, list | tuple) or not set(map(type, value)) <= allowed:
+                    raise Malformed(f"{what} must be a list of {item.__name__}")
+                return build(value)
+
+            return plain
+        each = checker(item)
+
+        def nested(value: object, what: str) -> Any:
+            if not isinstance(value, list | tuple):
+                raise Malformed(f"{what} must be a list, got {type(value).__name__}")
+            return build(each(v, what) for v in value)
+
+        return nested
     raise TypeError(f"no wire check for {hint!r}")  # a programming error, not bad input
 
 
-def record(cls: Callable[..., Any], hints: Mapping[str, Any], raw: object, what: str) -> Any:
-    """A NamedTuple shipped as a positional list: fields checked against ``hints`` (the
-    class's type hints, in order); trailing fields a newer release added are ignored."""
-    if not isinstance(raw, list | tuple) or len(raw) < len(hints):
-        raise Malformed(f"{what} must be a list of {len(hints)} fields, got {raw!r:.80}")
-    known = zip(hints.items(), raw[: len(hints)], strict=True)
-    return cls(*(typed(h, v, f"{what}.{n}") for (n, h), v in known))
+def _exactly(kind: type, value: object, what: str) -> object:
+    if type(value) is not kind:  # bool is not an int here, nor an int a bool
+        raise Malformed(f"{what} must be {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+@functools.cache
+def fields(cls: type) -> tuple[tuple[str, Check], ...]:
+    """A NamedTuple's fields, in order, with their checks."""
+    return tuple((f"{cls.__name__}.{n}", checker(h)) for n, h in typing.get_type_hints(cls).items())
+
+
+def record(cls: type, raw: object) -> Any:
+    """A NamedTuple shipped as a positional list, every field checked; trailing fields a
+    newer release added are ignored."""
+    known = fields(cls)
+    if not isinstance(raw, list | tuple) or len(raw) < len(known):
+        raise Malformed(f"{cls.__name__} must be a list of {len(known)} fields, got {raw!r:.80}")
+    return cls(*[check(v, what) for (what, check), v in zip(known, raw, strict=False)])
 
 
 # Every kind and reason, zero until something is refused: the series exist from the start.
