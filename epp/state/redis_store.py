@@ -184,7 +184,9 @@ class RedisStore(StateStore):
                 # refuse multi-key and keyless commands. Still one round trip.
                 for address in addresses:
                     pipe.get(self._key(address))
-                results = await pipe.execute()
+                # Reads refused (a key of the wrong type) come back as replies, see _merge.
+                results = await pipe.execute(raise_on_error=False)
+            wire.writes_done(results[: len(batch)])
         except BaseException:
             # Not written: queue again, unless a newer state was put or the endpoint was dropped
             # while we waited.
@@ -193,7 +195,7 @@ class RedisStore(StateStore):
                     self._pending.setdefault(address, state)
             raise
         if addresses:
-            self._merge(addresses, results[len(batch) :])
+            self._merge(addresses, [wire.read("endpoint", r, None) for r in results[len(batch) :]])
             self._synced.set()
 
     def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:

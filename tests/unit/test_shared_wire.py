@@ -4,6 +4,7 @@ counted, and the loops reading them carry on with the good entries."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -215,3 +216,38 @@ async def test_lease_members_from_the_future(prefix: str, redis: Redis) -> None:
     finally:
         await member.stop()
     assert rejected("members", "future") - before >= 1
+
+
+async def test_keys_of_the_wrong_type_are_malformed_entries(prefix: str, redis: Redis) -> None:
+    """A key holding another type than epp writes fails the read of that key only: counted,
+    and the loops stay connected to the group."""
+    keys = Keys(hash_tag(prefix))
+    await redis.hset(f"{keys.prefix}:ep:{E1}", mapping={"not": "a state"})
+    await redis.set(keys.load("ghost"), "not a hash")
+    await redis.hset(keys.queue("ghost"), mapping={"not": "a string"})
+    await redis.set(keys.latency("ghost"), "not a hash")
+    await redis.set(keys.picks, "not a stream")
+    before = {
+        k: rejected(k, "malformed") for k in ("endpoint", "load", "queue", "latency", "picks")
+    }
+    store = RedisStore(SHARED_URL, key_prefix=keys.prefix, refresh_interval=0.02)
+    await store.retain([E1])
+    member = SharedState(SHARED_URL, FleetState(), key_prefix=prefix, interval=0.2)
+    await store.start()
+    await member.start()
+    try:
+        await store.first_sync()
+        # The ghost is a member while its entry in the member set is fresh (kept so here);
+        # latency evidence is read once a second.
+        deadline = time.monotonic() + 5.0
+        while not all(rejected(k, "malformed") > n for k, n in before.items()):
+            late = [k for k, n in before.items() if rejected(k, "malformed") == n]
+            assert time.monotonic() < deadline, f"not counted: {late}"
+            (seconds, micros) = await redis.time()
+            await redis.zadd(keys.members, {"ghost": seconds * 1000 + micros // 1000})
+            await asyncio.sleep(0.05)
+        assert store._up is True
+        assert member._up is True
+    finally:
+        await member.stop()
+        await store.stop()

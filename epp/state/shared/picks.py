@@ -204,6 +204,8 @@ class PickStream:
             try:
                 reply = await self._client.xread({self._key: last}, count=_READ_COUNT, block=block)
             except Exception as exc:  # Redis down or failing over: retry with backoff
+                if wire.wrong_type(exc):  # the stream's name holds nothing epp wrote
+                    wire.reject("picks", wire.MALFORMED, exc)
                 log.debug("cannot read picks: %s", exc)
                 await backoff.failed()
                 continue

@@ -212,13 +212,18 @@ class SharedState:
             if latency:
                 for member in others:
                     pipe.hgetall(self.keys.latency(member))
-            results = await pipe.execute()
-        self._members = self.leases.apply(order, results[0])
+            # A refused read (a key of the wrong type) is a reply, not an exception: it must
+            # not fail the tick, and so drop the group, for one garbage key.
+            results = await pipe.execute(raise_on_error=False)
         n = len(others)
-        tail = results[len(results) - n * (3 if latency else 2) :]
-        loads, queues, latencies = tail[:n], tail[n : 2 * n], tail[2 * n :]
+        reads = len(results) - n * (3 if latency else 2)
+        wire.writes_done(results[:reads])
+        self._members = self.leases.apply(order, results[0])
+        tail = results[reads:]
+        loads = [wire.read("load", r, {}) for r in tail[:n]]
+        queues = [wire.read("queue", r, None) for r in tail[n : 2 * n]]
         if latency:
-            opened = [wire.open_hash("latency", f) for f in latencies]
+            opened = [wire.open_hash("latency", wire.read("latency", r, {})) for r in tail[2 * n :]]
             self._latency.apply_remote(opened, time.time())
         self._queues.apply(
             {m: decode_queue(raw) for m, raw in zip(others, queues, strict=True)},

@@ -29,6 +29,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
+from redis.exceptions import ResponseError
+
 from epp.observability import SHARED_REJECTED
 
 log = logging.getLogger(__name__)
@@ -200,6 +202,29 @@ def record(cls: type, raw: object) -> Any:
     if not isinstance(raw, list | tuple) or len(raw) < len(known):
         raise Malformed(f"{cls.__name__} must be a list of {len(known)} fields, got {raw!r:.80}")
     return cls(*[check(v, what) for (what, check), v in zip(known, raw, strict=False)])
+
+
+def writes_done(results: Sequence[Any]) -> None:
+    """Raise the first error among a pipeline's write replies (executed with
+    ``raise_on_error=False`` so that a read's error is a reply, see :func:`read`)."""
+    for reply in results:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def read(kind: str, reply: Any, empty: Any) -> Any:
+    """A read's reply from a pipeline, or ``empty`` if the key holds a value of the wrong type
+    (nothing epp wrote: a malformed entry, counted); any other error is raised."""
+    if wrong_type(reply):
+        reject(kind, MALFORMED, reply)
+        return empty
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def wrong_type(reply: object) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 # Every kind and reason, zero until something is refused: the series exist from the start.
