@@ -90,6 +90,13 @@ SHARED_PICKS = Counter(
     "Redis was unreachable for long (dropped).",
     ["direction"],
 )
+SHARED_REJECTED = Counter(
+    "epp_shared_state_rejected_total",
+    "Entries read from Redis and ignored (reason=malformed: unreadable or of the wrong types; "
+    "version: a schema version this release does not read), and timestamps clamped because "
+    "they lay in the future (reason=future), per payload kind.",
+    ["kind", "reason"],
+)
 SHARED_PICKS_PENDING = Gauge(
     "epp_shared_picks_pending",
     "Prefix-index insertions, session bindings and health verdicts made here and not yet in "

@@ -30,24 +30,23 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from epp.admission.budgets import BUCKETS, SLICE_SPLIT, Budgets
 from epp.observability import BUDGET_LOCAL_MODE, BUDGET_REMAINING, child
-from epp.state.backoff import Backoff
-from epp.state.shared.connect import connect
+from epp.state.shared import wire
+from epp.state.shared.client import SOCKET_TIMEOUT, Backoff, open_client
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
-
-_SOCKET_TIMEOUT = 1.0
 
 # KEYS[1]: the member set; KEYS[2..]: one window hash per account.
 # ARGV: process id, member TTL (ms), bucket width (ms), buckets, slice split; then per
 # account: limit, slice wanted, least worth granting, number of charges, and that many
 # (age in ms, amount) pairs.
-# Returns {members, {grant, {age in buckets, amount, ...}}, ...}.
+# Returns {members, {fields malformed, members from the future}, {grant, {age in buckets,
+# amount, ...}}, ...}. A field that is not a number is deleted (no process wrote it); members
+# later than Redis's clock (plus a second of failover skew) are dropped, as they would shrink
+# every share for ever. Buckets past the current one are deleted, uncounted, as before: a
+# reload to a longer window leaves such buckets behind legitimately.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -55,9 +54,11 @@ local me, ttl, width, buckets = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), t
 local split = tonumber(ARGV[5])
 redis.call('ZADD', KEYS[1], now, me)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+local future = redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + 1000), '+inf')
 redis.call('PEXPIRE', KEYS[1], ttl)
 local members = redis.call('ZCARD', KEYS[1])
-local out = {members}
+local malformed = 0
+local out = {members, {0, 0}}
 local current = math.floor(now / width)
 local oldest = current - buckets
 local a = 6
@@ -76,7 +77,10 @@ for k = 2, #KEYS do
   local total, ages = 0, {}
   for j = 1, #fields, 2 do
     local index, amount = tonumber(fields[j]), tonumber(fields[j + 1])
-    if index < oldest or index > current or amount <= 0 then
+    if index == nil or amount == nil then
+      malformed = malformed + 1
+      redis.call('HDEL', KEYS[k], fields[j])
+    elseif index < oldest or index > current or amount <= 0 then
       -- Gone from the window; from another bucket width (a reloaded window_seconds); or
       -- refunds of charges Redis lost (a restart): nothing to count.
       redis.call('HDEL', KEYS[k], fields[j])
@@ -97,6 +101,7 @@ for k = 2, #KEYS do
   redis.call('PEXPIRE', KEYS[k], math.ceil(width * (buckets + 2)))
   out[#out + 1] = {grant, ages}
 end
+out[2] = {malformed, future}
 return out
 """
 
@@ -115,12 +120,7 @@ class BudgetSync:
         member_ttl: float = 0.15,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._client = connect(
-            url,
-            socket_timeout=_SOCKET_TIMEOUT,
-            socket_connect_timeout=_SOCKET_TIMEOUT,
-            retry=Retry(NoBackoff(), 1),
-        )
+        self._client = open_client(url)
         self._ledger = ledger
         ledger.grouped = True  # keep what is charged for the group's window
         self._keys = keys
@@ -178,14 +178,17 @@ class BudgetSync:
             for ago, amount in ask.charges:
                 argv += [max(0, round(ago * 1000)), amount]
         try:
-            async with asyncio.timeout(_SOCKET_TIMEOUT):
+            async with asyncio.timeout(SOCKET_TIMEOUT):
                 reply = await self._client.eval(_SCRIPT, len(keys), *keys, *argv)
         except BaseException:
             ledger.failed(asks, now)
             raise
         ledger.members = max(1, int(reply[0]))
         ledger.shared = True
-        for ask, (grant, flat) in zip(asks, reply[1:], strict=True):
+        for reason, n in zip((wire.MALFORMED, wire.FUTURE), reply[1], strict=True):
+            if n:
+                wire.reject("budget", reason, f"{n} deleted from the group's windows", int(n))
+        for ask, (grant, flat) in zip(asks, reply[2:], strict=True):
             ledger.granted(ask, int(grant), _ages(flat), now)
         self._export(now)
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from epp.request import LatencyTarget
 from epp.state.inflight import Load
+from epp.state.shared import wire
 from epp.state.snapshot import EndpointState
 
 # Feature units: thousands of tokens, tens of requests (keeps the ridge prior's strength
@@ -577,9 +578,10 @@ class LatencyModel:
                 )
         return out
 
-    def apply_remote(self, exports: Sequence[Mapping[bytes, bytes]]) -> None:
+    def apply_remote(self, exports: Sequence[Mapping[bytes, bytes]], now: float) -> None:
         """Replace the other processes' evidence with their latest exports (summed);
-        unreadable entries count as nothing."""
+        unreadable entries count as nothing (and are counted as refused); evidence dated
+        after ``now`` is taken as of ``now``."""
         merged: dict[str, tuple[Stats | None, Stats | None]] = {}
         for fields in exports:
             for raw_address, raw in fields.items():
@@ -587,8 +589,12 @@ class LatencyModel:
                     ttft_raw, tpot_raw = json.loads(raw)
                     ttft = Stats.decode(len(PRIOR_TTFT), ttft_raw)
                     tpot = Stats.decode(len(PRIOR_TPOT), tpot_raw)
-                except (ValueError, TypeError):
+                except (ValueError, TypeError) as exc:
+                    wire.refused("latency", exc)
                     continue
+                # Evidence dated in the future would never decay.
+                ttft.as_of = wire.clamp("latency", ttft.as_of, now)
+                tpot.as_of = wire.clamp("latency", tpot.as_of, now)
                 address = raw_address.decode()
                 old_ttft, old_tpot = merged.get(address, (None, None))
                 merged[address] = (

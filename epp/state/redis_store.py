@@ -10,6 +10,11 @@ more recently (or, for the same scrape, has counted more failed polls since: a f
 A change of readiness is written at once instead of at the next tick. With scrape leases
 (:mod:`epp.state.shared.lease`) one process observes each endpoint, so the others only read.
 
+Each value is ``{"v": <schema version>, "address": ..., "metrics": {...}, ...}``, checked on
+read (:mod:`epp.state.shared.wire`): an unreadable one is skipped and counted, and a
+``scraped_at`` later than now is taken as now, so a future-dated state cannot stay the freshest
+for ever.
+
 When Redis is unreachable the store keeps serving local state, logs one warning, reports
 ``epp_state_store_up 0`` and retries with capped, jittered exponential backoff; when Redis answers
 again it logs once and pushes the whole local state, since Redis may have restarted empty.
@@ -22,25 +27,20 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
+import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from epp.observability import STORE_UP
-from epp.state.backoff import Backoff
 from epp.state.local import LocalSnapshot
-from epp.state.shared.connect import connect
+from epp.state.shared import wire
+from epp.state.shared.client import Backoff, open_client
 from epp.state.snapshot import EndpointMetrics, EndpointState, Snapshot
 from epp.state.store import StateStore
 
 log = logging.getLogger(__name__)
-
-# A hung Redis must not stall the sync loop for long; URL query options can override these.
-_SOCKET_TIMEOUT = 1.0
-# Backoff between attempts while Redis is down: doubles from the refresh interval up to this.
 
 # Derived from the dataclass so a new metric field is shipped without touching this module; set
 # fields (adapter names) travel as sorted JSON lists.
@@ -48,6 +48,7 @@ _METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(EndpointMetrics))
 _SET_FIELDS = frozenset(
     f.name for f in dataclasses.fields(EndpointMetrics) if f.default == frozenset()
 )
+_METRIC_HINTS = typing.get_type_hints(EndpointMetrics)
 
 
 class RedisStore(StateStore):
@@ -69,14 +70,7 @@ class RedisStore(StateStore):
         if refresh_interval <= 0 or ttl <= 0:
             raise ValueError("refresh_interval and ttl must be > 0")
         # Parsing the URL here makes a malformed one a configuration error; nothing connects yet.
-        self._redis = connect(
-            url,
-            socket_timeout=_SOCKET_TIMEOUT,
-            socket_connect_timeout=_SOCKET_TIMEOUT,
-            # One immediate retry covers a pooled connection the server closed; anything longer
-            # is our own backoff, which keeps the loop's state (up/down, logging) in one place.
-            retry=Retry(NoBackoff(), 1),
-        )
+        self._redis = open_client(url)
         self._where = _redact(url)
         self._prefix = key_prefix
         self._interval = refresh_interval
@@ -190,7 +184,9 @@ class RedisStore(StateStore):
                 # refuse multi-key and keyless commands. Still one round trip.
                 for address in addresses:
                     pipe.get(self._key(address))
-                results = await pipe.execute()
+                # Reads refused (a key of the wrong type) come back as replies, see _merge.
+                results = await pipe.execute(raise_on_error=False)
+            wire.writes_done(results[: len(batch)])
         except BaseException:
             # Not written: queue again, unless a newer state was put or the endpoint was dropped
             # while we waited.
@@ -199,7 +195,7 @@ class RedisStore(StateStore):
                     self._pending.setdefault(address, state)
             raise
         if addresses:
-            self._merge(addresses, results[len(batch) :])
+            self._merge(addresses, [wire.read("endpoint", r, None) for r in results[len(batch) :]])
             self._synced.set()
 
     def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:
@@ -207,17 +203,18 @@ class RedisStore(StateStore):
         # happened during the round trip win over what Redis said before them.
         current = self._local.current.endpoints
         newer: list[EndpointState] = []
+        now = time.time()
         for address, raw in zip(addresses, raws, strict=True):
             if raw is None or address not in self._known:
                 continue
             try:
-                state = _decode(raw)
+                state = _decode(raw, now)
+                if state.address != address:
+                    raise wire.Malformed(f"the state of {state.address!r} under {address!r}")
             except (ValueError, TypeError, KeyError) as exc:
-                log.debug("ignoring unreadable state for %s in redis: %s", address, exc)
+                wire.refused("endpoint", exc)
                 continue
             local = current.get(address)
-            if state.address != address:
-                continue
             if local is None or _order(state) > _order(local):
                 newer.append(state)
             elif _order(state) < _order(local):
@@ -258,6 +255,7 @@ def _encode(state: EndpointState) -> str:
     }
     return json.dumps(
         {
+            "v": wire.VERSION,
             "address": state.address,
             "pool": state.pool,
             "ready": state.ready,
@@ -269,24 +267,27 @@ def _encode(state: EndpointState) -> str:
     )
 
 
-def _decode(raw: bytes) -> EndpointState:
-    data: dict[str, Any] = json.loads(raw)
+def _decode(raw: bytes, now: float) -> EndpointState:
+    """One state read from Redis, every field checked; ``scraped_at`` at most ``now``."""
+    data: Any = json.loads(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+        raise wire.Malformed(f"an endpoint state must be an object with metrics: {raw!r:.80}")
+    wire.check_version(data.get("v", 0))  # absent: written before versions existed
     # Unknown metric fields are ignored and missing ones take their defaults, so processes of
     # neighbouring versions can share one Redis during a rolling upgrade.
     fields = data["metrics"]
     values: dict[str, Any] = {
-        name: frozenset(fields[name]) if name in _SET_FIELDS else fields[name]
+        name: wire.typed(_METRIC_HINTS[name], fields[name], name)
         for name in _METRIC_FIELDS
         if name in fields
     }
-    metrics = EndpointMetrics(**values)
     return EndpointState(
-        address=str(data["address"]),
-        pool=str(data["pool"]),
-        ready=bool(data["ready"]),
-        metrics=metrics,
-        scraped_at=float(data["scraped_at"]),
-        failures=int(data["failures"]),
+        address=typing.cast(str, wire.typed(str, data["address"], "address")),
+        pool=typing.cast(str, wire.typed(str, data["pool"], "pool")),
+        ready=typing.cast(bool, wire.typed(bool, data["ready"], "ready")),
+        metrics=EndpointMetrics(**values),
+        scraped_at=wire.clamp("endpoint", wire.number(data["scraped_at"], "scraped_at"), now),
+        failures=wire.count(data["failures"], "failures"),
     )
 
 

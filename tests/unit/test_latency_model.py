@@ -98,16 +98,16 @@ def test_processes_share_evidence_and_do_not_count_their_own_twice() -> None:
     a, b = LatencyModel(), LatencyModel()
     now = feed(a, SLOW, 5_000, 200, 0.0, random.Random(4))
     exported = {k.encode(): v.encode() for k, v in a.export(now).items()}
-    b.apply_remote([exported])
+    b.apply_remote([exported], now)
     assert predict(b, SLOW, 2000, 0, now) == pytest.approx(predict(a, SLOW, 2000, 0, now), 0.01)
     # Applying the same export again replaces it (latest per process), never adds it twice.
-    b.apply_remote([exported])
+    b.apply_remote([exported], now)
     b_described, a_described = b.describe(SLOW, now), a.describe(SLOW, now)
     assert b_described is not None
     assert a_described is not None
     assert b_described["evidence"] == a_described["evidence"]
     # Unreadable entries count as nothing.
-    b.apply_remote([{SLOW.encode(): b"[1,2]", FAST.encode(): b"not json"}])
+    b.apply_remote([{SLOW.encode(): b"[1,2]", FAST.encode(): b"not json"}], now)
     assert b.describe(SLOW, now) is not None
 
 

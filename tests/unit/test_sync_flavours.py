@@ -74,7 +74,7 @@ async def exercise(a: Member, b: Member, tag: int) -> None:
     a.fleet.prefix.insert(ENDPOINTS[0], [tag, tag + 1], 100)
     a.fleet.sessions.bind(f"s{tag}", ENDPOINTS[1], time.time(), 60)
     ticket = a.fleet.inflight.add(ENDPOINTS[2], 5)
-    state = EndpointState(ENDPOINTS[3], "pool", True, scraped_at=time.time() + tag)
+    state = EndpointState(ENDPOINTS[3], "pool", True, scraped_at=time.time())
     await a.store.put_endpoint(state)
     await eventually(
         lambda: b.fleet.prefix.match([tag, tag + 1], [ENDPOINTS[0]])[ENDPOINTS[0]] == 2,

@@ -26,6 +26,9 @@ key                             type      written by / lifetime
                                           passive-health verdicts (ejections, readmissions), up
                                           to 32 per entry; ``MAXLEN ~ 1024``, PX 1 h
 ==============================  ========  =====================================================
+
+What each value holds carries a schema version and is checked on read
+(:mod:`epp.state.shared.wire`).
 """
 
 from __future__ import annotations

@@ -37,19 +37,23 @@ from typing import Any
 import xxhash
 
 from epp.observability import SHARED_LEASES
+from epp.state.shared import wire
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
 
 # KEYS[1]: the member set; KEYS[2..]: lease keys, this process's most preferred first.
-# ARGV[1]: process id; ARGV[2]: lease TTL in ms. Returns {member ids, indices of leases held}.
-# Redis's clock, not the processes', ages the members: their clocks may disagree.
+# ARGV[1]: process id; ARGV[2]: lease TTL in ms. Returns {member ids, indices of leases held,
+# members dropped for a time in the future}. Redis's clock, not the processes', ages the
+# members: their clocks may disagree. A member later than that clock (plus a second of failover
+# skew) was not written by this script and would shrink every share for ever: dropped.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, ttl = ARGV[1], tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now, me)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+local future = redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + 1000), '+inf')
 redis.call('PEXPIRE', KEYS[1], ttl)
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 local sorted = {unpack(members)}
@@ -80,7 +84,7 @@ for _, i in ipairs(free) do
     held[#held + 1] = i - 1
   end
 end
-return {members, held}
+return {members, held, future}
 """
 # Same keys; leaves the group and frees the leases still held (a clean shutdown).
 _RELEASE = """
@@ -136,7 +140,9 @@ class Leases:
 
     def apply(self, order: Sequence[str], reply: Sequence[Any]) -> list[str]:
         """Record the script's answer; returns the group's member ids."""
-        members, held = reply
+        members, held, future = reply
+        if future:
+            wire.reject("members", wire.FUTURE, f"{future} members dated in the future", future)
         owned = frozenset(order[int(i) - 1] for i in held)
         if owned != self._owned:
             log.debug("scraping %d of %d endpoints: %s", len(owned), len(order), sorted(owned))

@@ -21,10 +21,14 @@ group's last 1024 entries (1k to 32k additions). While Redis is unreachable addi
 newest ``backlog`` of them) and are sent when it returns.
 
 Each entry holds one field ``d``: msgpack ``[origin id, wall time shipped, [[channel, item],
-...]]`` with what one process collected in one linger (at most 32 items), an item being the
-table's tuple (e.g. ``Insertion``) as a list. Batching matters: redis-py parses replies in pure
-Python, so one command and one entry per item would make every decision markedly dearer in
-CPU; batching cuts that to a fraction (benchmarks/multi_epp.py). Memory: MAXLEN entries
+...], schema version]`` with what one process collected in one linger (at most 32 items), an
+item being the table's tuple (e.g. ``Insertion``) as a list. The version comes last, where
+readers of the unversioned encoding (which read the first three elements) ignore it. Readers
+check every entry and item (:mod:`epp.state.shared.wire`): one they cannot use is skipped and
+counted, and each channel bounds what its items may hold (:mod:`epp.state.shared.bounds`: an
+ejection's end, a binding's expiry). Batching matters: redis-py parses replies in pure Python, so
+one command and one entry per item would make every decision markedly dearer in CPU; batching
+cuts that to a fraction (benchmarks/multi_epp.py). Memory: MAXLEN entries
 of at most 32 items of at most 256 block hashes, ~75 MB in the worst case, a few MB for ordinary
 prompts.
 """
@@ -35,14 +39,15 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
 
 from epp.observability import SHARED_PICK_DELAY, SHARED_PICKS, SHARED_PICKS_PENDING
-from epp.state.backoff import Backoff
+from epp.state.shared import wire
+from epp.state.shared.client import Backoff
 from epp.state.shared.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -72,11 +77,16 @@ class Replicated(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Channel:
-    """One replicated table: its tag in stream entries and how to rebuild its items."""
+    """One replicated table: its tag in stream entries and how to rebuild its items.
+
+    ``item`` is the NamedTuple shipped; ``check`` takes one whose field types are right and
+    the wall time now, and returns it within the table's bounds or raises ``wire.Malformed``.
+    """
 
     tag: str
     table: Replicated
-    item: Callable[..., Any]
+    item: type
+    check: Callable[[Any, float], Any] = lambda item, _now: item
 
 
 class PickStream:
@@ -175,7 +185,8 @@ class PickStream:
         now = time.time()
         async with self._client.pipeline(transaction=False) as pipe:
             for start in range(0, len(items), _ENTRY_ITEMS):
-                entry = msgpack.packb([self._me, now, items[start : start + _ENTRY_ITEMS]])
+                chunk = items[start : start + _ENTRY_ITEMS]
+                entry = msgpack.packb([self._me, now, chunk, wire.VERSION])
                 pipe.xadd(self._key, {"d": entry}, maxlen=self._maxlen, approximate=True)
             pipe.pexpire(self._key, _STREAM_TTL_MS)
             await pipe.execute()
@@ -193,6 +204,8 @@ class PickStream:
             try:
                 reply = await self._client.xread({self._key: last}, count=_READ_COUNT, block=block)
             except Exception as exc:  # Redis down or failing over: retry with backoff
+                if wire.wrong_type(exc):  # the stream's name holds nothing epp wrote
+                    wire.reject("picks", wire.MALFORMED, exc)
                 log.debug("cannot read picks: %s", exc)
                 await backoff.failed()
                 continue
@@ -209,17 +222,22 @@ class PickStream:
         now = time.time()
         for fields in entries:
             try:
-                origin, shipped, items = msgpack.unpackb(fields[b"d"])[:3]
-                if origin == self._me:
-                    continue
-                for tag, raw in items:
-                    channel = self._channels.get(tag)
-                    if channel is not None:  # else a table this process does not keep
-                        batches.setdefault(tag, []).append(channel.item(*raw))
+                origin, shipped, items = _open(fields, now)
             except (KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
                 SHARED_PICKS.labels("rejected").inc()
-                log.debug("ignoring an unreadable pick entry: %s", exc)
+                wire.refused("picks", exc)
                 continue
+            if origin == self._me:
+                continue
+            for item in items:
+                try:
+                    tag, value = self._item(item, now)
+                except wire.Malformed as exc:
+                    SHARED_PICKS.labels("rejected").inc()
+                    wire.refused("picks", exc)
+                    continue
+                if value is not None:  # else a table this process does not keep
+                    batches.setdefault(tag, []).append(value)
             if shipped >= self._started_at:  # replayed history would skew the histogram
                 SHARED_PICK_DELAY.observe(max(0.0, now - shipped))
         for tag, batch in batches.items():
@@ -233,6 +251,31 @@ class PickStream:
                     self._apply_failed = True
                 continue
             SHARED_PICKS.labels("applied").inc(len(batch))
+
+    def _item(self, item: object, now: float) -> tuple[str, Any]:
+        """One ``[tag, fields]`` item checked and rebuilt; None for a table not kept here."""
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+            raise wire.Malformed(f"an item must be [channel, fields], got {item!r:.80}")
+        tag, raw = item
+        channel = self._channels.get(tag)
+        if channel is None:
+            return tag, None
+        return tag, channel.check(wire.record(channel.item, raw), now)
+
+
+def _open(fields: Mapping[bytes, bytes], now: float) -> tuple[str, float, list[Any]]:
+    """An entry's origin, shipping time (at most now) and items, its framing checked."""
+    entry = msgpack.unpackb(fields[b"d"])
+    if not isinstance(entry, list) or len(entry) < 3:
+        raise wire.Malformed(
+            f"an entry must be [origin, shipped, items, version], got {entry!r:.80}"
+        )
+    if len(entry) > 3:
+        wire.check_version(entry[3])
+    origin, shipped, items = entry[:3]
+    if not isinstance(origin, str) or not isinstance(items, list):
+        raise wire.Malformed(f"bad origin or items in {entry!r:.80}")
+    return origin, wire.clamp("picks", wire.number(shipped, "shipped"), now), items
 
 
 # Read at scrape time: the request path only appends to the recent buffers, as before.

@@ -28,15 +28,13 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from epp.observability import FLOW_GROUP, SHARED_INFLIGHT, SHARED_MEMBERS
 from epp.prefix.approximate import Insertion
-from epp.state.backoff import Backoff
 from epp.state.fleet import FleetState
 from epp.state.health import Verdict
-from epp.state.shared.connect import connect, hash_tag
+from epp.state.shared import bounds, wire
+from epp.state.shared.client import SOCKET_TIMEOUT, Backoff, open_client
+from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
 from epp.state.shared.lease import Leases
 from epp.state.shared.loads import encode, total
@@ -47,7 +45,6 @@ from epp.state.shared.sessions import Binding, SharedSessionTable
 
 log = logging.getLogger(__name__)
 
-_SOCKET_TIMEOUT = 1.0
 # A lease outlives this many missed renewals: a dead owner is replaced within about
 # LEASE_INTERVALS + 1 intervals, and a process whose tick is late by less keeps its leases.
 LEASE_INTERVALS = 3
@@ -78,14 +75,7 @@ class SharedState:
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be > 0")
-        self._client = connect(
-            url,
-            socket_timeout=_SOCKET_TIMEOUT,
-            socket_connect_timeout=_SOCKET_TIMEOUT,
-            # As in RedisStore: one immediate retry for a stale pooled connection; longer
-            # waits are this loop's backoff.
-            retry=Retry(NoBackoff(), 1),
-        )
+        self._client = open_client(url)
         # Unique across restarts and machines; readable in redis-cli.
         self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.keys = Keys(hash_tag(key_prefix))
@@ -99,10 +89,10 @@ class SharedState:
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
         channels = [
             Channel("prefix", fleet.prefix, Insertion),
-            Channel("health", fleet.health, Verdict),
+            Channel("health", fleet.health, Verdict, bounds.verdicts(fleet.health)),
         ]
         if isinstance(fleet.sessions, SharedSessionTable):
-            channels.append(Channel("sessions", fleet.sessions, Binding))
+            channels.append(Channel("sessions", fleet.sessions, Binding, bounds.binding))
         self._picks = PickStream(
             self._client,
             self.keys,
@@ -161,7 +151,7 @@ class SharedState:
     async def _leave(self) -> None:
         """Free this process's leases and counts now rather than when they expire."""
         try:
-            async with asyncio.timeout(_SOCKET_TIMEOUT):
+            async with asyncio.timeout(SOCKET_TIMEOUT):
                 async with self._client.pipeline(transaction=False) as pipe:
                     self.leases.queue_release(pipe)
                     pipe.delete(self.keys.load(self.me))
@@ -222,13 +212,19 @@ class SharedState:
             if latency:
                 for member in others:
                     pipe.hgetall(self.keys.latency(member))
-            results = await pipe.execute()
-        self._members = self.leases.apply(order, results[0])
+            # A refused read (a key of the wrong type) is a reply, not an exception: it must
+            # not fail the tick, and so drop the group, for one garbage key.
+            results = await pipe.execute(raise_on_error=False)
         n = len(others)
-        tail = results[len(results) - n * (3 if latency else 2) :]
-        loads, queues, latencies = tail[:n], tail[n : 2 * n], tail[2 * n :]
+        reads = len(results) - n * (3 if latency else 2)
+        wire.writes_done(results[:reads])
+        self._members = self.leases.apply(order, results[0])
+        tail = results[reads:]
+        loads = [wire.read("load", r, {}) for r in tail[:n]]
+        queues = [wire.read("queue", r, None) for r in tail[n : 2 * n]]
         if latency:
-            self._latency.apply_remote(latencies)
+            opened = [wire.open_hash("latency", wire.read("latency", r, {})) for r in tail[2 * n :]]
+            self._latency.apply_remote(opened, time.time())
         self._queues.apply(
             {m: decode_queue(raw) for m, raw in zip(others, queues, strict=True)},
             time.monotonic(),
@@ -246,7 +242,7 @@ class SharedState:
         exported = self._latency.export(time.time())
         own = self.keys.latency(self.me)
         if exported:
-            pipe.hset(own, mapping=dict(exported))
+            pipe.hset(own, mapping=wire.stamp_hash(exported))
             pipe.pexpire(own, round(LATENCY_TTL_S * 1000))
 
     def _set_up(self, up: bool, exc: Exception | None = None) -> None:
