@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from benchmarks.loadgen import Request
-from benchmarks.workloads import MODEL, Item, _body, _chat, text, tokenizer
+from benchmarks.workloads import MODEL, Chats, Item, _body, text, tokenizer
 from epp.sim.profiles import Profile
 
 
@@ -161,7 +161,6 @@ class FamilyWorkload:
         rng = random.Random(f"family-requests/{s.seed}")
         systems = [text(rng, s.system_tokens) for _ in range(s.groups)]
         weights = [1 / (g + 1) ** s.zipf_s for g in range(s.groups)]
-        started = 0
 
         def completion(prompt: str, key: str) -> Item:
             body = _body(model=MODEL, prompt=prompt, max_tokens=self._output(rng))
@@ -171,16 +170,13 @@ class FamilyWorkload:
                 prompt_ids=tuple(tokenizer().encode(prompt)),
             )
 
-        def conversation() -> Iterator[Item]:
-            nonlocal started
-            conv = f"conv-{started}"
-            started += 1
-            system = {"role": "system", "content": text(rng, s.chat_system_tokens)}
-            for item in _chat(rng, conv, system, self._chat_shape, waits=True):
-                think = rng.expovariate(1 / s.think_seconds) if s.think_seconds else 0.0
-                yield replace(item, think=think)
+        def system() -> dict[str, str]:
+            return {"role": "system", "content": text(rng, s.chat_system_tokens)}
 
-        active = [conversation() for _ in range(s.conversations)]
+        def think() -> float:
+            return rng.expovariate(1 / s.think_seconds) if s.think_seconds else 0.0
+
+        chats = Chats(rng, s.conversations, self._chat_shape, system, waits=True, think=think)
         unique = 0
         while True:
             roll = rng.random()
@@ -188,12 +184,7 @@ class FamilyWorkload:
                 unique += 1
                 yield completion(text(rng, s.unique_tokens), f"unique-{unique}")
             elif roll < s.unique_share + s.chat_share:
-                i = rng.randrange(len(active))
-                item = next(active[i], None)
-                if item is None:
-                    active[i] = conversation()
-                    item = next(active[i])
-                yield item
+                yield chats.next()
             else:
                 g = rng.choices(range(s.groups), weights)[0]
                 yield completion(f"{systems[g]}\n\n{text(rng, s.question_tokens)}", f"group-{g}")

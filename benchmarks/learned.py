@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks import routing
 from benchmarks.report import Row, median_rows, progress_line
-from benchmarks.routers import EppProfile, FleetStack, Router, named_routers
+from benchmarks.routers import EppProfile, FleetStack, Router, available, named_routers
 from benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,15 +154,8 @@ def run(args: Any, names: Sequence[str], command: str) -> Result:
         repeat=args.repeat,
     )
     print("\n".join(result.setup), flush=True)
-    chosen = []
-    for router in named_routers(names):
-        why = router.unavailable()
-        if why:
-            print(f"  {router.name}: unavailable: {why}", flush=True)
-            result.unavailable[router.name] = why
-        else:
-            chosen.append(router)
-            result.routers[router.name] = router.label()
+    chosen = available(named_routers(names), result.unavailable)
+    result.routers.update((r.name, r.label()) for r in chosen)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="epp-learned-"))
     print(f"logs under {workdir}", flush=True)
     for workload in workloads:

@@ -423,6 +423,20 @@ def all_routers() -> list[Router]:
 LEARNED_PROFILES = PROFILES_DIR / "learned"
 
 
+def available(routers: Sequence[Router], unavailable: dict[str, str]) -> list[Router]:
+    """The ``routers`` that can run here; each other one is printed and recorded in
+    ``unavailable`` with the reason (a peer that is not installed, say)."""
+    out = []
+    for router in routers:
+        why = router.unavailable()
+        if why:
+            print(f"  {router.name}: unavailable: {why}", flush=True)
+            unavailable[router.name] = why
+        else:
+            out.append(router)
+    return out
+
+
 def named_routers(names: Sequence[str]) -> list[Router]:
     """The routers called ``names``, in that order: :func:`all_routers` plus one epp router per
     profile under ``benchmarks/profiles/learned/`` (benchmark-only variants: candidates and

@@ -47,7 +47,7 @@ from benchmarks.report import (
     save_run,
     text_table,
 )
-from benchmarks.routers import Fleet, FleetStack, Router, all_routers, named_routers
+from benchmarks.routers import Fleet, FleetStack, Router, all_routers, available, named_routers
 from benchmarks.trace import sum_samples, traced
 from benchmarks.workloads import WORKLOADS, Item, SharedPrefix, Workload, warmup
 
@@ -520,12 +520,7 @@ def run(args: argparse.Namespace, command: str) -> Run:
     )
     print(f"routing benchmark; logs under {workdir}", flush=True)
     print("\n".join(result.setup), flush=True)
-    for router in routers:
-        why = router.unavailable()
-        if why:
-            print(f"  {router.name}: unavailable: {why}", flush=True)
-            result.unavailable[router.name] = why
-    routers = [r for r in routers if r.name not in result.unavailable]
+    routers = available(routers, result.unavailable)
     result.routers = {r.name: r.label() for r in routers}
     for workload in workloads:
         fleet = make_fleet(args, workload)

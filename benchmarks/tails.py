@@ -33,7 +33,7 @@ from benchmarks import routing
 from benchmarks.family import FamilyWorkload, Shape, bursty_arrivals
 from benchmarks.oracle import Oracle
 from benchmarks.report import Row
-from benchmarks.routers import EppProfile, Fleet, FleetStack, Router, named_routers
+from benchmarks.routers import EppProfile, Fleet, FleetStack, Router, available, named_routers
 from epp.sim.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,14 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.speeds:
         fleet += f", speeds {args.speeds}"
     result = Result(command, fleet, args.load)
-    routers = []
-    for router in named_routers(args.routers.split(",")):
-        why = router.unavailable()
-        if why:
-            print(f"  {router.name}: unavailable: {why}", flush=True)
-            result.unavailable[router.name] = why
-        else:
-            routers.append(router)
+    routers = available(named_routers(args.routers.split(",")), result.unavailable)
     print(f"tails benchmark; logs under {args.workdir}", flush=True)
     for seed in range(args.first_seed, args.first_seed + args.draws):
         measure_draw(Shape.draw(seed), routers, args, result)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Protocol
 
@@ -153,6 +153,44 @@ def _chat(
         )
 
 
+class Chats:
+    """``count`` chat conversations running at once, a finished one replaced by a new one;
+    :meth:`next` is the next turn of one of them, chosen at random. ``system`` gives a new
+    conversation its system message (one shared by all, or its own); ``think`` draws the
+    seconds a waiting turn is sent after the reply it follows (:attr:`Item.think`)."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        count: int,
+        shape: _ChatShape,
+        system: Callable[[], dict[str, str]],
+        waits: bool,
+        think: Callable[[], float] | None = None,
+    ) -> None:
+        self._rng = rng
+        self._shape = shape
+        self._system = system
+        self._waits = waits
+        self._think = think
+        self._started = 0
+        self._active = [self._conversation() for _ in range(count)]
+
+    def _conversation(self) -> Iterator[Item]:
+        conv = f"conv-{self._started}"
+        self._started += 1
+        for item in _chat(self._rng, conv, self._system(), self._shape, self._waits):
+            yield item if self._think is None else replace(item, think=self._think())
+
+    def next(self) -> Item:
+        i = self._rng.randrange(len(self._active))
+        item = next(self._active[i], None)
+        if item is None:
+            self._active[i] = self._conversation()
+            item = next(self._active[i])
+        return item
+
+
 @dataclass
 class MultiTurn:
     conversations: int = 24  # active at once; a finished one is replaced by a new one
@@ -184,22 +222,9 @@ class MultiTurn:
     def stream(self) -> Iterator[Item]:
         rng = random.Random(self.seed)
         system = {"role": "system", "content": text(rng, self.system_tokens)}
-        started = 0
-
-        def conversation() -> Iterator[Item]:
-            nonlocal started
-            conv = f"conv-{started}"
-            started += 1
-            yield from _chat(rng, conv, system, self, waits=False)
-
-        active = [conversation() for _ in range(self.conversations)]
+        chats = Chats(rng, self.conversations, self, lambda: system, waits=False)
         while True:
-            i = rng.randrange(len(active))
-            item = next(active[i], None)
-            if item is None:
-                active[i] = conversation()
-                item = next(active[i])
-            yield item
+            yield chats.next()
 
 
 @dataclass
@@ -292,7 +317,6 @@ class Mixed:
         rng = random.Random(self.seed)
         systems = [text(rng, self.system_tokens) for _ in range(self.groups)]
         weights = [1 / (g + 1) ** self.zipf_s for g in range(self.groups)]
-        started = 0
 
         def group_item(g: int) -> Item:
             prompt = f"{systems[g]}\n\n{text(rng, self.question_tokens)}"
@@ -305,24 +329,15 @@ class Mixed:
                 prompt_ids=tuple(tokenizer().encode(prompt)),
             )
 
-        def conversation() -> Iterator[Item]:
-            nonlocal started
-            conv = f"conv-{started}"
-            started += 1
-            system = {"role": "system", "content": text(rng, self.chat_system_tokens)}
-            yield from _chat(rng, conv, system, self, waits=True)
+        def system() -> dict[str, str]:
+            return {"role": "system", "content": text(rng, self.chat_system_tokens)}
 
-        active = [conversation() for _ in range(self.conversations)]
+        chats = Chats(rng, self.conversations, self, system, waits=True)
         while True:
             if rng.random() >= self.chat_share:
                 yield group_item(rng.choices(range(self.groups), weights)[0])
-                continue
-            i = rng.randrange(len(active))
-            item = next(active[i], None)
-            if item is None:
-                active[i] = conversation()
-                item = next(active[i])
-            yield item
+            else:
+                yield chats.next()
 
 
 def warmup(seconds: float, rate: float, seed: int) -> tuple[list[Request], list[float]]:
