@@ -365,9 +365,10 @@ class Router:
         (the latency-target-filter's); None when no source sets any. Without headers the
         answer depends on the objective alone: merged once per configuration."""
         ttft = tpot = None
-        if config.request.trusted_headers:
-            headers = request.headers
+        policy, headers = config.request, request.headers
+        if policy.trusts(SLO_TTFT_HEADER):
             ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
+        if policy.trusts(SLO_TPOT_HEADER):
             tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
         if ttft is None and tpot is None:
             targets = self._objective_targets

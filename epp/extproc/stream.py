@@ -324,7 +324,7 @@ class StreamHandler:
             return
         self._observer = None
         outcome = observer.finish(self._clock() if at is None else at, complete)
-        record(outcome, request.model, self._objective(request))
+        record(outcome, request.model, request.objective)
         if self.charge is not None and outcome.usage is not None:
             self._router.used(self.charge, outcome.usage.prompt + outcome.usage.completion)
         if outcome.served is not None and outcome.complete and outcome.status < 400:
@@ -356,12 +356,6 @@ class StreamHandler:
         if trace is not None:
             self._trace = None
             trace.end()
-
-    def _objective(self, request: InferenceRequest) -> str:
-        """The request's objective when it is a configured one ('' otherwise): bounded."""
-        policy = self._router.config.request
-        name = request.headers.get(policy.objective_header, "")
-        return name if name in policy.objectives else ""
 
     def _complete(self, after: Sequence[Response] = ()) -> Sequence[Response]:
         """The body is whole: parse it, then route now, or hold it in :attr:`pending` when the
