@@ -709,12 +709,15 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
     hcm = {
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        # One path for every reader: dot segments resolved and slashes merged before any
-        # filter runs, so epp matches the API on the path the replica receives, and a path
-        # with an escaped slash (%2F, %5C), which servers decode differently, is refused (400).
+        # One path for every reader: escaped slashes (%2F, %5C, which servers decode
+        # differently) unescaped, then dot segments resolved and slashes merged, before any
+        # filter runs; epp matches the API on exactly the path the replica receives.
+        # Unescaped rather than refused: Envoy's REJECT_REQUEST answers a bare 400 that no
+        # local-reply mapper can tell from epp's own (checked with Envoy 1.40), while the
+        # unescaped path gets epp's JSON 404 when it leads off the API.
         "normalize_path": True,
         "merge_slashes": True,
-        "path_with_escaped_slashes_action": "REJECT_REQUEST",
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "common_http_protocol_options": {
             # A server that reads x_priority as x-priority would see what the strip missed.
             "headers_with_underscores_action": "DROP_HEADER",
