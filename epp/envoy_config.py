@@ -29,8 +29,9 @@ The pieces, in request order:
   client's stream is reset, with ``true`` it completes; docs/response-path.md); a request epp
   never answered still fails, with 503 from the pool. The stream stays open until the response
   is complete (``response_trailer_mode: SEND``).
-* **route ``/``** has no timeout (``timeout: 0s``, ``idle_timeout: 0s``: a generation may run
-  for minutes, silent when not streamed) and a retry policy with ``num_retries =
+* **route ``/``** has no timeout (``timeout: 0s``: a generation may run for minutes) and an
+  idle timeout of ``edge.stream_idle_timeout_s`` (long: silent when not streamed), and a retry
+  policy with ``num_retries =
   routing.fallbacks``, so a replica that answers 5xx, resets or cannot be reached makes Envoy
   try the next entry of epp's list (only before the response has begun). It also adds
   ``x-gateway-destination-endpoint-served: %UPSTREAM_HOST%`` to the response for epp, which
