@@ -553,8 +553,8 @@ class StreamHandler:
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
         method = self._headers.get(":method", "GET")
-        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
-        if method == "GET" and path.endswith("/v1/models"):
+        path = self._headers.get(":path", "").split("?", 1)[0]
+        if method == "GET" and path == "/v1/models":  # exactly, as api_for_path matches
             REQUESTS.add(("", "models"))
             RESULTS.add(("ok",))
             if self._trace is not None:
