@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import yaml
+from prometheus_client import REGISTRY
 
 from epp.config import Config, parse_config
 from epp.envoy_config import ext_proc_settings, render
+from epp.extproc.stream import StreamHandler
 from epp.request import ApiKey, RequestPolicy, parse_request
+from epp.wire import SERVED
+from tests.unit.test_response_stream import _response_body, _response_headers
+from tests.unit.test_stream import body_msg, headers_msg, make_router
 
 
 def test_envoy_message_timeout_outlasts_the_queue_ttl() -> None:
@@ -98,3 +105,43 @@ def test_identity_comes_only_from_trusted_sources() -> None:
         "batch",
     )
     assert identity(jwt, {"x-priority": "10"}) == (0, "default-flow", "")
+
+
+async def test_objective_metric_labels_name_the_trusted_objective() -> None:
+    """A client's objective header never becomes a label; its API key's objective does."""
+    router = await make_router()
+    router.config = parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
+            "request": {
+                "objectives": {"critical": 10},
+                "api_keys": {"sk-c": {"tenant": "c", "objective": "critical"}},
+            },
+        }
+    )
+    body = json.dumps({"model": "tiny", "prompt": "p", "max_tokens": 4}).encode()
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 4}})
+
+    def completion_tokens(objective: str) -> float:
+        labels = {"model": "tiny", "objective": objective, "kind": "completion"}
+        return REGISTRY.get_sample_value("epp_tokens_total", labels) or 0.0
+
+    def send(headers: dict[str, str]) -> None:
+        handler = StreamHandler(router)
+        handler.handle(headers_msg(extra=headers))
+        handler.handle(body_msg(body))
+        assert handler.ticket is not None
+        response = {":status": "200", "content-type": "application/json"}
+        handler.handle(_response_headers({**response, SERVED: handler.ticket.endpoint}))
+        handler.handle(_response_body(usage.encode(), eos=True))
+        handler.settle()
+        handler.close()
+        router.finish(handler.ticket)
+
+    before = {o: completion_tokens(o) for o in ("", "critical")}
+    send({"x-gateway-inference-objective": "critical"})
+    assert completion_tokens("critical") == before["critical"]
+    assert completion_tokens("") == before[""] + 4
+    send({"authorization": "Bearer sk-c"})
+    assert completion_tokens("critical") == before["critical"] + 4
