@@ -618,6 +618,16 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
     sees it; so these mappers only rewrite replies Envoy made itself.
     """
     mappers = [
+        # The edge timeouts (edge.request_timeout_s, request_headers_timeout_s): a client too
+        # slow to send its request. Ahead of the codec mapper, which a request whose headers
+        # never completed would match too.
+        _json_reply(
+            _status_is(408),
+            "invalid_request_error",
+            "request_timeout",
+            "The request was not received in time (%RESPONSE_CODE_DETAILS%): send it whole "
+            "within the gateway's request timeout.",
+        ),
         # Envoy's HTTP codec refusing a request it could not parse (431 for headers over 60 KiB,
         # 400 for control characters, conflicting framing, a bad request line): no request
         # headers were decoded, which is what tells these apart from epp's own 4xx (checked

@@ -4,6 +4,7 @@ that the real Envoy 1.40 binary accepts the result."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,10 @@ import pytest
 import yaml
 
 from epp.config import Config, ConfigError, parse_config
+from epp.devstack import free_port
 from epp.edge import EdgeLimits
 from epp.envoy_config import render
-from tests.helpers.envoy import validate
+from tests.helpers.envoy import EnvoyProcess, validate
 
 FAIRNESS = "x-gateway-inference-fairness-id"
 OBJECTIVE = "x-gateway-inference-objective"
@@ -212,3 +214,23 @@ def test_envoy_accepts_the_identity_and_edge_rendering(tmp_path: Path) -> None:
     path.write_text(render(config))
     result = validate(path)
     assert result.returncode == 0, result.stdout
+
+
+def test_a_client_too_slow_with_its_headers_gets_a_json_408(tmp_path: Path) -> None:
+    listen, admin = free_port(), free_port()
+    config = _config(edge={"request_headers_timeout_s": 0.3})
+    text = render(config, listen=f"127.0.0.1:{listen}", admin=f"127.0.0.1:{admin}")
+    with (
+        EnvoyProcess.start(text, admin, tmp_path),
+        socket.create_connection(("127.0.0.1", listen), timeout=10) as sock,
+    ):
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # and nothing more
+        reply = b""
+        while b"}}" not in reply:
+            chunk = sock.recv(4096)
+            assert chunk, reply
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
