@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from epp.devstack import Stack, free_port
 from tests.e2e.client import Reply, request
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import BODY_MODES, make_stack
 from tests.e2e.fleet import epp_ready_endpoints, wait_until
 from tests.e2e.replica import TrickleReplica
 
@@ -64,12 +64,12 @@ class Fleet:
         return path, headers, self.replica.received[-1]
 
 
-def _fleet(tmp: Path, request_section: dict[str, Any]) -> Iterator[Fleet]:
+def _fleet(tmp: Path, request_section: dict[str, Any], mode: str = "buffered") -> Iterator[Fleet]:
     replica = TrickleReplica()
     replica.start()
     stack = make_stack(
         tmp,
-        "buffered",
+        mode,
         "memory",
         replicas=1,
         config_extra={
@@ -114,10 +114,13 @@ def _json_error(reply: Reply, status: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the default
 
 
-@pytest.fixture(scope="module")
-def default(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+@pytest.fixture(scope="module", params=BODY_MODES)
+def default(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     keys = {"sk-a": {"tenant": "team-a", "objective": "critical"}}
-    yield from _fleet(tmp_path_factory.mktemp("identity-default"), {"api_keys": keys})
+    tmp = tmp_path_factory.mktemp(f"identity-default-{request.param}")
+    yield from _fleet(tmp, {"api_keys": keys}, request.param)
 
 
 def test_a_clients_identity_headers_reach_neither_epp_nor_the_replica(default: Fleet) -> None:
