@@ -117,6 +117,8 @@ def config(args: argparse.Namespace, offered: list[Tenant]) -> dict[str, object]
     return {
         "store": {"key_prefix": f"bb-{uuid.uuid4().hex[:8]}"},
         "budgets": {"tenants": budgets, "window_seconds": args.window},
+        # The fairness header stands for a gateway in front that sets it.
+        "request": {"trusted_headers": True},
     }
 
 

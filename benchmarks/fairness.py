@@ -167,7 +167,8 @@ def _stack(workdir: Path, args: argparse.Namespace, epps: int, scope: str) -> Fl
                 "stale_seconds": 1.0,
                 "ttl": args.ttl,
             },
-            "request": {"objectives": {"critical": 10, "batch": -1}},
+            # The fairness and objective headers stand for a gateway in front that sets them.
+            "request": {"objectives": {"critical": 10, "batch": -1}, "trusted_headers": True},
             # Passive health's latency outlier detection ejects a replica that a saturated
             # pool keeps busier than the other for a moment, halving the pool for 5 s: noise
             # in a measurement of shares.

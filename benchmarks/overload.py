@@ -191,7 +191,12 @@ def _stack(
         config_extra={
             "store": {"key_prefix": f"epp-overload-{uuid.uuid4().hex[:8]}"},
             "admission": admission,
-            "request": {"objectives": OBJECTIVES, "engine_priority": engine_priority},
+            # The objective header stands for a gateway in front that sets it.
+            "request": {
+                "objectives": OBJECTIVES,
+                "engine_priority": engine_priority,
+                "trusted_headers": True,
+            },
         },
     )
 

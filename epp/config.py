@@ -18,7 +18,12 @@ Shape (every section optional except ``models`` and ``pools``)::
     autoscaling: {target_utilisation, replica_concurrency, window_seconds}
     request:  {session_header, priority_header, objective_header, fairness_header,
                objectives: {NAME: int | {priority, spill}}, trusted_headers,
-               api_keys: {KEY: {tenant, objective}} | api_keys_file, engine_priority}
+               api_keys: {KEY: {tenant, objective}} | api_keys_file, engine_priority,
+               jwt: {jwks_file, issuer, audiences, tenant_claim, objective_claim, required},
+               auth_service: {address, headers, timeout_ms}}  (docs/identity.md)
+    edge:     {max_requests, max_pending_requests, max_retries, max_connections,
+               max_heap_bytes, request_timeout_s, request_headers_timeout_s,
+               stream_idle_timeout_s, connection_buffer_bytes}  (Envoy's limits, docs/deploy.md)
     admission: {mode: off|shed|queue, queue_threshold, kv_threshold, stale_seconds,
                 max_requests, max_tokens, sheddable_reserve, pool_reserve, capacity, ttl,
                 bands: {PRIORITY: {capacity, ttl}}, scope: group|local}
@@ -65,6 +70,7 @@ from epp.admission.flow_queue import BandLimits, QueueLimits
 from epp.admission.saturation import DEFAULT_STALE_SECONDS
 from epp.admission.spillover import OverflowPool, Spillover
 from epp.discovery.spec import DiscoverySpec, parse_discovery
+from epp.edge import Authentication, AuthService, EdgeLimits, JwtAuth
 from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
@@ -113,6 +119,8 @@ SECTIONS: Mapping[str, Reload] = {
     "store": Reload.RESTART,
     "health": Reload.APPLIED,
     "tracing": Reload.RESTART,
+    # Read by `epp envoy-config` only: Envoy takes it when re-rendered and restarted.
+    "edge": Reload.APPLIED,
 }
 
 # The profile used when the file names none. Cache affinity and load meet in one unit in the
@@ -268,6 +276,9 @@ class Config:
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     request: RequestPolicy = field(default_factory=RequestPolicy)
+    # The rendered Envoy's authenticating filters (request.jwt, request.auth_service).
+    authentication: Authentication = field(default_factory=Authentication)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
     admission: SaturationDetector = field(default_factory=SaturationDetector)
     autoscaling: DemandPolicy = field(default_factory=DemandPolicy)
     flow_control: FlowControl = field(default_factory=lambda: FlowControl())
@@ -326,6 +337,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
     pools = _pools(root.child("pools", required=True))
     scrape = _scrape(root.child("scrape"))
     admission = root.child("admission")
+    request, authentication = _request(root.child("request"))
     config = Config(
         models=_models(root.child("models", required=True), pools.endpoints),
         pools=pools.endpoints,
@@ -333,7 +345,9 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         server=_server(root.child("server")),
         scrape=scrape,
         routing=_routing(root.child("routing"), pools.endpoints),
-        request=_request(root.child("request")),
+        request=request,
+        authentication=authentication,
+        edge=_edge(root.child("edge")),
         autoscaling=_autoscaling(root.child("autoscaling")),
         admission=_admission(admission, scrape.interval),
         flow_control=_flow_control(admission),
@@ -705,7 +719,7 @@ def _routing(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> RoutingConfig
     )
 
 
-def _request(node: _Node) -> RequestPolicy:
+def _request(node: _Node) -> tuple[RequestPolicy, Authentication]:
     node.only(
         "session_header",
         "priority_header",
@@ -716,6 +730,8 @@ def _request(node: _Node) -> RequestPolicy:
         "api_keys",
         "api_keys_file",
         "engine_priority",
+        "jwt",
+        "auth_service",
     )
     d = RequestPolicy()
     objectives: dict[str, int] = {}
@@ -746,7 +762,7 @@ def _request(node: _Node) -> RequestPolicy:
         if objective is not None and objective not in objectives:
             entry.at("objective").report(f"must name one of request.objectives, got {objective!r}")
         api_keys[key] = ApiKey(tenant, objective)
-    return RequestPolicy(
+    policy = RequestPolicy(
         session_header=node.get("session_header", str, d.session_header).lower(),
         priority_header=node.get("priority_header", str, d.priority_header).lower(),
         objective_header=node.get("objective_header", str, d.objective_header).lower(),
@@ -757,6 +773,101 @@ def _request(node: _Node) -> RequestPolicy:
         trusted_headers=node.get("trusted_headers", bool, d.trusted_headers),
         api_keys=api_keys,
         engine_priority=node.get("engine_priority", bool, d.engine_priority),
+    )
+    authentication = Authentication(
+        _jwt(node.child("jwt")), _auth_service(node.child("auth_service"), policy)
+    )
+    if policy.trusted_headers and (authentication.jwt or authentication.service):
+        node.at("trusted_headers").report(
+            "must be false with jwt or auth_service: Envoy then authenticates requests and "
+            "sets the identity headers itself, and must strip every client copy"
+        )
+    if authentication.jwt is not None and api_keys:
+        node.at("api_keys").report(
+            "cannot be used with jwt: both read the authorization header, and Envoy refuses "
+            "a bearer token that is not a valid JWT"
+        )
+    authenticated = authentication.headers_set(policy.fairness_header, policy.objective_header)
+    return dataclasses.replace(policy, authenticated_headers=authenticated), authentication
+
+
+def _jwt(node: _Node) -> JwtAuth | None:
+    """``request.jwt``: tokens verified by Envoy against a local JWKS file."""
+    if node.value is None:
+        return None
+    node.only("jwks_file", "issuer", "audiences", "tenant_claim", "objective_claim", "required")
+    jwks = node.get("jwks_file", str, "")
+    if not jwks.startswith("/"):
+        node.at("jwks_file").report(
+            f"must be an absolute path to a JWKS file (Envoy reads it), got {jwks!r}"
+        )
+    issuer = node.get("issuer", str, "")
+    if not issuer:
+        node.at("issuer").report("must be a non-empty string (the tokens' iss claim)")
+    audiences = []
+    for item in node.child("audiences").list():
+        if isinstance(item.value, str) and item.value:
+            audiences.append(item.value)
+        else:
+            item.report(f"must be a non-empty string, got {item.value!r}")
+    d = JwtAuth("", "")
+    claims = {}
+    for key, default in (("tenant_claim", d.tenant_claim), ("objective_claim", d.objective_claim)):
+        claims[key] = node.get(key, str, default)
+        if not claims[key]:
+            node.at(key).report("must be a non-empty claim name")
+    return JwtAuth(
+        jwks_file=jwks,
+        issuer=issuer,
+        audiences=tuple(audiences),
+        tenant_claim=claims["tenant_claim"],
+        objective_claim=claims["objective_claim"],
+        required=node.get("required", bool, d.required),
+    )
+
+
+def _auth_service(node: _Node, policy: RequestPolicy) -> AuthService | None:
+    """``request.auth_service``: an ext_authz service that sets identity headers."""
+    if node.value is None:
+        return None
+    node.only("address", "headers", "timeout_ms")
+    address = _host_port(node.child("address", required=True)) or ""
+    allowed = policy.identity_headers()
+    headers = []
+    for item in node.child("headers", required=True).list():
+        name = item.value.lower() if isinstance(item.value, str) else None
+        if name not in allowed:
+            item.report(
+                f"must be one of the identity headers {', '.join(allowed)}, got {item.value!r}"
+            )
+        else:
+            headers.append(name)
+    return AuthService(
+        address=address,
+        headers=tuple(headers),
+        timeout_ms=node.integer("timeout_ms", AuthService("", ()).timeout_ms, ge=1),
+    )
+
+
+def _edge(node: _Node) -> EdgeLimits:
+    """``edge``: the limits the rendered Envoy enforces (epp.edge.EdgeLimits)."""
+    d = EdgeLimits()
+    node.only(*(f.name for f in dataclasses.fields(EdgeLimits)))
+    return EdgeLimits(
+        max_requests=node.integer("max_requests", d.max_requests, ge=1),
+        max_pending_requests=node.integer("max_pending_requests", d.max_pending_requests, ge=1),
+        max_retries=node.integer("max_retries", d.max_retries, ge=1),
+        max_connections=node.integer("max_connections", d.max_connections, ge=1),
+        # Below this Envoy's own heap at rest would be near the limit.
+        max_heap_bytes=node.integer("max_heap_bytes", d.max_heap_bytes, ge=64 * 1024**2),
+        request_timeout_s=node.real("request_timeout_s", d.request_timeout_s, ge=0),
+        request_headers_timeout_s=node.real(
+            "request_headers_timeout_s", d.request_headers_timeout_s, ge=0
+        ),
+        stream_idle_timeout_s=node.real("stream_idle_timeout_s", d.stream_idle_timeout_s, ge=0),
+        connection_buffer_bytes=node.integer(
+            "connection_buffer_bytes", d.connection_buffer_bytes, ge=1024
+        ),
     )
 
 

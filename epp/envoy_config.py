@@ -6,9 +6,19 @@ test_envoy_config.py`` runs traffic through it); ``envoy/README.md`` explains th
 
 The pieces, in request order:
 
+* **the listener** normalises the path (RFC 3986 dot segments, merged slashes; an escaped
+  slash is refused) before any filter runs, so epp and the replica see the same path and epp
+  matches the API on it exactly. Limits from the ``edge`` section: per-connection buffers,
+  request, header and idle timeouts, circuit breakers on every cluster, and an overload
+  manager that answers 503 before Envoy's heap runs out (docs/deploy.md, edge limits).
 * **header_mutation before ext_proc** strips the control headers a client could send
   (``x-gateway-destination-endpoint`` and friends), so epp never sees a forged answer and the
-  upstream never receives one.
+  upstream never receives one, and every identity and latency-target header (priority,
+  objective, fairness id, ``x-llm-d-slo-*``) unless ``request.trusted_headers`` says a gateway
+  in front sets them.
+* **jwt_authn / ext_authz** (``request.jwt`` / ``request.auth_service``), when configured,
+  authenticate the request and set the identity headers from the token's claims or the
+  service's answer: after the strip, so only their values reach epp (docs/identity.md).
 * **ext_proc** streams the request to epp (cluster ``epp``), and the response back to it (see
   :func:`_processing_mode`). Requests never reach a replica epp did not choose: epp's answer
   comes back as ``envoy.lb`` dynamic metadata (applied only because the namespace is listed in
@@ -19,8 +29,9 @@ The pieces, in request order:
   client's stream is reset, with ``true`` it completes; docs/response-path.md); a request epp
   never answered still fails, with 503 from the pool. The stream stays open until the response
   is complete (``response_trailer_mode: SEND``).
-* **route ``/``** has no timeout (``timeout: 0s``, ``idle_timeout: 0s``: a generation may run
-  for minutes, silent when not streamed) and a retry policy with ``num_retries =
+* **route ``/``** has no timeout (``timeout: 0s``: a generation may run for minutes) and an
+  idle timeout of ``edge.stream_idle_timeout_s`` (long: silent when not streamed), and a retry
+  policy with ``num_retries =
   routing.fallbacks``, so a replica that answers 5xx, resets or cannot be reached makes Envoy
   try the next entry of epp's list (only before the response has begun). It also adds
   ``x-gateway-destination-endpoint-served: %UPSTREAM_HOST%`` to the response for epp, which
@@ -63,6 +74,7 @@ from epp.admission.spillover import OverflowPool
 from epp.config import Config, ConfigError, load_config
 from epp.discovery.eds import EdsFile, eds_path
 from epp.discovery.spec import DnsSpec, KubernetesSpec
+from epp.edge import AuthService, EdgeLimits, JwtAuth
 from epp.wire import (
     CONTROL_HEADERS,
     DESTINATION,
@@ -79,12 +91,6 @@ MODES: tuple[Mode, ...] = ("buffered", "full-duplex")
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 POOL_CLUSTER = "pool"
 EPP_CLUSTER = "epp"
-
-# Envoy's default circuit breakers allow 1024 concurrent requests per cluster and 3 concurrent
-# retries. Each in-flight LLM request holds one request on ``pool`` and one ext_proc stream on
-# ``epp`` for its whole life (minutes for long generations), so the defaults would turn a busy
-# fleet into 503s/500s. epp does admission control; Envoy should not be the throttle.
-_UNLIMITED = 1_000_000
 
 _TYPE = "@type"
 _T = "type.googleapis.com/"
@@ -163,15 +169,20 @@ def _policy(name: str, type_name: str, **config: Any) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": _typed(name, type_name, **config)}]}
 
 
-def _circuit_breakers() -> dict[str, Any]:
+def _circuit_breakers(edge: EdgeLimits) -> dict[str, Any]:
+    """Envoy's defaults (1024 requests, 3 concurrent retries per cluster) would turn a busy
+    fleet into 503s: each in-flight LLM request holds one request on ``pool`` and one ext_proc
+    stream on ``epp`` for its whole life (minutes for long generations), and epp's admission
+    control is the throttle. The ``edge`` limits sit far above what a fleet serves and bound
+    what a flood can make Envoy hold. A replica speaks HTTP/1.1: one connection per request."""
     return {
         "thresholds": [
             {
                 "priority": "DEFAULT",
-                "max_connections": _UNLIMITED,
-                "max_pending_requests": _UNLIMITED,
-                "max_requests": _UNLIMITED,
-                "max_retries": _UNLIMITED,
+                "max_connections": edge.max_requests,
+                "max_pending_requests": edge.max_pending_requests,
+                "max_requests": edge.max_requests,
+                "max_retries": edge.max_retries,
             }
         ]
     }
@@ -347,12 +358,9 @@ def _header_mutation_filter(config: Config) -> dict[str, Any]:
     # First in the chain, so last on the response: the served-endpoint header the route adds
     # for epp is gone before the client sees it, even when epp did not process the response.
     policy = config.request
-    # Untrusted identity headers (request.trusted_headers: false) never reach epp or the pool.
-    identity = (
-        ()
-        if policy.trusted_headers
-        else (policy.priority_header, policy.objective_header, policy.fairness_header)
-    )
+    # Identity headers from clients never reach epp or the pool, unless a gateway in front of
+    # this Envoy sets them (request.trusted_headers); jwt_authn / ext_authz set them later.
+    identity = () if policy.trusted_headers else policy.identity_headers()
     return _typed(
         "envoy.filters.http.header_mutation",
         "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
@@ -361,6 +369,129 @@ def _header_mutation_filter(config: Config) -> dict[str, Any]:
             "response_mutations": [{"remove": SERVED}],
         },
     )
+
+
+JWT_PROVIDER = "epp"
+AUTH_CLUSTER = "auth"
+
+
+def _authentication_filters(config: Config) -> list[dict[str, Any]]:
+    """The filters that authenticate a request and set its identity headers, after the
+    header_mutation filter stripped the client's copies and before ext_proc reads them."""
+    auth = config.authentication
+    out = []
+    if auth.jwt is not None:
+        out.append(_jwt_filter(auth.jwt, config))
+    if auth.service is not None:
+        out.append(_ext_authz_filter(auth.service))
+    return out
+
+
+def _jwt_filter(jwt: JwtAuth, config: Config) -> dict[str, Any]:
+    """Envoy verifies the bearer token (signature against the local JWKS, issuer, audience,
+    expiry) and copies the tenant and objective claims into epp's headers. A token that fails
+    is refused with 401 whatever ``required`` says; only a request with none may pass, with
+    the default identity. The token is not forwarded: replicas have no use for it."""
+    policy = config.request
+    provider: dict[str, Any] = {
+        "issuer": jwt.issuer,
+        "local_jwks": {"filename": jwt.jwks_file},
+        "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+        "forward": False,
+        "claim_to_headers": [
+            {"header_name": policy.fairness_header, "claim_name": jwt.tenant_claim},
+            {"header_name": policy.objective_header, "claim_name": jwt.objective_claim},
+        ],
+    }
+    if jwt.audiences:
+        provider["audiences"] = list(jwt.audiences)
+    requires: dict[str, Any] = {"provider_name": JWT_PROVIDER}
+    if not jwt.required:
+        requires = {"requires_any": {"requirements": [requires, {"allow_missing": {}}]}}
+    return _typed(
+        "envoy.filters.http.jwt_authn",
+        "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+        providers={JWT_PROVIDER: provider},
+        rules=[{"match": {"prefix": "/"}, "requires": requires}],
+    )
+
+
+def _ext_authz_filter(service: AuthService) -> dict[str, Any]:
+    """Envoy asks the authorization service about each request (its headers, not its body);
+    a 2xx answer's identity headers are set on the request, any other answer goes back to the
+    client, and a service that cannot be reached refuses the request (403)."""
+    return _typed(
+        "envoy.filters.http.ext_authz",
+        "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+        http_service={
+            "server_uri": {
+                "uri": f"http://{service.address}",
+                "cluster": AUTH_CLUSTER,
+                "timeout": _duration(service.timeout_ms),
+            },
+            "authorization_response": {
+                "allowed_upstream_headers": {"patterns": [{"exact": h} for h in service.headers]}
+            },
+        },
+        failure_mode_allow=False,
+    )
+
+
+def _auth_clusters(config: Config) -> list[dict[str, Any]]:
+    service = config.authentication.service
+    if service is None:
+        return []
+    static = _is_ip(parse_address(service.address)[0])
+    return [
+        {
+            "name": AUTH_CLUSTER,
+            "type": "STATIC" if static else "STRICT_DNS",
+            **({} if static else _system_resolver()),
+            "connect_timeout": "1s",
+            "circuit_breakers": _circuit_breakers(config.edge),
+            "lb_policy": "ROUND_ROBIN",
+            "load_assignment": {
+                "cluster_name": AUTH_CLUSTER,
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": _socket(service.address)}}]}
+                ],
+            },
+        }
+    ]
+
+
+def _overload_manager(edge: EdgeLimits) -> dict[str, Any]:
+    """Envoy sheds load before its heap runs out: past 90% of ``max_heap_bytes`` it returns
+    free memory to the system, past 95% it answers new requests 503 (a JSON body, see
+    :func:`_local_replies`). Downstream connections are capped for the whole process."""
+    heap = "envoy.resource_monitors.fixed_heap"
+    connections = "envoy.resource_monitors.global_downstream_max_connections"
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            _typed(
+                heap,
+                "envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                max_heap_size_bytes=edge.max_heap_bytes,
+            ),
+            _typed(
+                connections,
+                "envoy.extensions.resource_monitors.downstream_connections.v3."
+                "DownstreamConnectionsConfig",
+                max_active_downstream_connections=edge.max_connections,
+            ),
+        ],
+        "actions": [
+            {
+                "name": "envoy.overload_actions.shrink_heap",
+                "triggers": [{"name": heap, "threshold": {"value": 0.9}}],
+            },
+            {
+                "name": "envoy.overload_actions.stop_accepting_requests",
+                "triggers": [{"name": heap, "threshold": {"value": 0.95}}],
+            },
+        ],
+    }
 
 
 def _route(config: Config, overflow: str | None = None) -> dict[str, Any]:
@@ -401,7 +532,7 @@ def _route(config: Config, overflow: str | None = None) -> dict[str, Any]:
         "route": {
             "cluster": POOL_CLUSTER if overflow is None else overflow_cluster(overflow),
             "timeout": "0s",
-            "idle_timeout": "0s",
+            "idle_timeout": _duration(round(config.edge.stream_idle_timeout_s * 1000)),
             # Any 5xx of a replica (and resets, refused connections) moves the request to epp's
             # next fallback, at most `fallbacks` times. Envoy retries only until it has
             # forwarded the response headers: a stream that fails after it began is not
@@ -425,7 +556,7 @@ def overflow_cluster(name: str) -> str:
     return f"overflow-{name}"
 
 
-def _overflow_cluster(name: str, pool: OverflowPool) -> dict[str, Any]:
+def _overflow_cluster(name: str, pool: OverflowPool, edge: EdgeLimits) -> dict[str, Any]:
     """An overflow pool's gateway: plain round robin over its addresses (the gateway there
     picks the replica), resolved by Envoy when they are names."""
     static = all(_is_ip(parse_address(a)[0]) for a in pool.gateway)
@@ -435,7 +566,8 @@ def _overflow_cluster(name: str, pool: OverflowPool) -> dict[str, Any]:
         **({} if static else _system_resolver()),
         "connect_timeout": "1s",
         "typed_extension_protocol_options": _http_options(http_protocol_options={}),
-        "circuit_breakers": _circuit_breakers(),
+        "circuit_breakers": _circuit_breakers(edge),
+        "per_connection_buffer_limit_bytes": edge.connection_buffer_bytes,
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {
             "cluster_name": overflow_cluster(name),
@@ -486,6 +618,16 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
     sees it; so these mappers only rewrite replies Envoy made itself.
     """
     mappers = [
+        # The edge timeouts (edge.request_timeout_s, request_headers_timeout_s): a client too
+        # slow to send its request. Ahead of the codec mapper, which a request whose headers
+        # never completed would match too.
+        _json_reply(
+            _status_is(408),
+            "invalid_request_error",
+            "request_timeout",
+            "The request was not received in time (%RESPONSE_CODE_DETAILS%): send it whole "
+            "within the gateway's request timeout.",
+        ),
         # Envoy's HTTP codec refusing a request it could not parse (431 for headers over 60 KiB,
         # 400 for control characters, conflicting framing, a bad request line): no request
         # headers were decoded, which is what tells these apart from epp's own 4xx (checked
@@ -531,6 +673,12 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
             "The endpoint picker failed or timed out (%RESPONSE_CODE_DETAILS%). Retry shortly.",
         ),
         _json_reply(
+            {"response_flag_filter": {"flags": ["OM"]}},
+            "service_unavailable_error",
+            "gateway_overloaded",
+            "The gateway is short of memory and refuses new requests for now. Retry shortly.",
+        ),
+        _json_reply(
             {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "NR", "NC", "UMSDR"]}},
             "service_unavailable_error",
             "upstream_unavailable",
@@ -538,6 +686,22 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
             "endpoint picker gave no answer (%RESPONSE_FLAGS%). Retry shortly.",
         ),
     ]
+    if config.authentication.jwt is not None or config.authentication.service is not None:
+        # jwt_authn's 401 (a token missing, expired, or not signed by a known key) and the
+        # authorization service's refusals (flag UAEX, its status kept).
+        mappers.insert(
+            0,
+            _json_reply(
+                {
+                    "or_filter": {
+                        "filters": [_status_is(401), {"response_flag_filter": {"flags": ["UAEX"]}}]
+                    }
+                },
+                "authentication_error",
+                "unauthenticated",
+                "The request could not be authenticated (%RESPONSE_CODE_DETAILS%).",
+            ),
+        )
     if mode == "buffered":
         mappers.insert(
             0,
@@ -552,9 +716,33 @@ def _local_replies(config: Config, mode: Mode) -> dict[str, Any]:
 
 
 def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) -> dict[str, Any]:
+    edge = config.edge
     hcm = {
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
+        # One path for every reader: escaped slashes (%2F, %5C, which servers decode
+        # differently) unescaped, then dot segments resolved and slashes merged, before any
+        # filter runs; epp matches the API on exactly the path the replica receives.
+        # Unescaped rather than refused: Envoy's REJECT_REQUEST answers a bare 400 that no
+        # local-reply mapper can tell from epp's own (checked with Envoy 1.40), while the
+        # unescaped path gets epp's JSON 404 when it leads off the API.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
+        "common_http_protocol_options": {
+            # A server that reads x_priority as x-priority would see what the strip missed.
+            "headers_with_underscores_action": "DROP_HEADER",
+        },
+        # The client has request_timeout_s to send its request, on top of the time epp may
+        # hold it (the timer runs until the request has gone upstream). Idle streams: the
+        # route's idle_timeout, which overrides this one, says the same.
+        "request_timeout": _duration(
+            round(edge.request_timeout_s * 1000) + message_timeout_ms
+            if edge.request_timeout_s
+            else 0
+        ),
+        "request_headers_timeout": _duration(round(edge.request_headers_timeout_s * 1000)),
+        "stream_idle_timeout": _duration(round(edge.stream_idle_timeout_s * 1000)),
         "local_reply_config": _local_replies(config, mode),
         "route_config": {
             "name": "epp",
@@ -572,6 +760,7 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
         },
         "http_filters": [
             _header_mutation_filter(config),
+            *_authentication_filters(config),
             _ext_proc_filter(mode, message_timeout_ms),
             _typed("envoy.filters.http.router", "envoy.extensions.filters.http.router.v3.Router"),
         ],
@@ -579,6 +768,7 @@ def _listener(config: Config, mode: Mode, listen: str, message_timeout_ms: int) 
     return {
         "name": "ingress",
         "address": _socket(listen),
+        "per_connection_buffer_limit_bytes": edge.connection_buffer_bytes,
         "filter_chains": [
             {
                 "filters": [
@@ -628,7 +818,8 @@ def _pool_cluster(config: Config, eds_dir: str | None) -> dict[str, Any]:
         "type": "EDS" if eds_dir is not None else "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": _http_options(http_protocol_options={}),
-        "circuit_breakers": _circuit_breakers(),
+        "circuit_breakers": _circuit_breakers(config.edge),
+        "per_connection_buffer_limit_bytes": config.edge.connection_buffer_bytes,
         "load_balancing_policy": override,
     }
     if eds_dir is not None:
@@ -836,7 +1027,7 @@ def _epp_cluster(
         # retry of the next stream (11 over 0.58 s) went to the dead one, failing the request.
         # With a handful of epps, pushing each change at once costs nothing.
         "common_lb_config": {"update_merge_window": "0s"},
-        "circuit_breakers": _circuit_breakers(),
+        "circuit_breakers": _circuit_breakers(config.edge),
         "health_checks": [
             {
                 # epp answers health checks from the same event loop that routes; give a busy
@@ -909,12 +1100,14 @@ def bootstrap(
         out["node"] = {"id": "envoy", "cluster": "epp-gateway"}
     return out | {
         "admin": {"address": _socket(admin)},
+        "overload_manager": _overload_manager(config.edge),
         "static_resources": {
             "listeners": [_listener(config, mode, listen, _fit_queue(config, message_timeout_ms))],
             "clusters": [
                 _pool_cluster(config, eds_dir),
                 _epp_cluster(config, extproc, health, tls),
-                *(_overflow_cluster(n, p) for n, p in config.spillover.pools.items()),
+                *(_overflow_cluster(n, p, config.edge) for n, p in config.spillover.pools.items()),
+                *_auth_clusters(config),
             ],
         },
     }

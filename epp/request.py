@@ -14,7 +14,6 @@ separator declared once below, so they cannot drift apart or from the engine's.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -37,13 +36,16 @@ from epp.errors import (
 
 Api = Literal["completions", "chat", "responses", "embeddings"]
 
-# Longest suffix first: "/chat/completions" also ends with "/completions".
-_API_BY_SUFFIX: tuple[tuple[str, Api], ...] = (
-    ("/chat/completions", "chat"),
-    ("/completions", "completions"),
-    ("/responses", "responses"),
-    ("/embeddings", "embeddings"),
-)
+# The OpenAI paths epp routes, matched exactly (the query string aside): a path that only ends
+# like one (``/v1/../admin/../v1/chat/completions``, ``/x/v1/completions``, a trailing slash)
+# is refused rather than forwarded as sent, where a replica or a proxy that normalises it might
+# serve whatever it points at. Envoy normalises paths before epp sees them (docs/deploy.md).
+_API_BY_PATH: Mapping[str, Api] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+}
 
 # vLLM generates up to the context length when a chat request names no limit; assume a typical
 # answer length for load accounting rather than the worst case.
@@ -157,12 +159,15 @@ class ApiKey:
 @dataclass(frozen=True, slots=True)
 class RequestPolicy:
     """Which headers carry priority, objective, fairness id and session, how objectives map to
-    priorities, and which of those sources are trusted (docs/admission.md).
+    priorities, and which of those sources are trusted (docs/identity.md).
 
-    Identity and priority are taken from the headers only when ``trusted_headers`` says the
-    gateway sets them (after authentication, overwriting client copies); a request whose
-    ``authorization: Bearer KEY`` is in ``api_keys`` gets that key's tenant and objective
-    whatever its headers say; anything else gets the default objective and flow.
+    Nothing a client sends is trusted by default. A request whose ``authorization: Bearer KEY``
+    is in ``api_keys`` gets that key's tenant and objective whatever its headers say. Else a
+    header is read only when the configuration names who sets it: every identity and SLO header
+    when ``trusted_headers`` says a gateway in front sets them all (overwriting client copies),
+    or the ``authenticated_headers`` an authenticating filter of the rendered Envoy sets (JWT
+    claims, an external authorization service) after Envoy stripped the client's copies.
+    Anything else gets the default objective and flow.
     """
 
     session_header: str = wire.SESSION_HEADER
@@ -174,11 +179,27 @@ class RequestPolicy:
     spill_objectives: frozenset[str] = frozenset()
     # Latency targets of objectives that have them (objectives.NAME.ttft_ms / tpot_ms).
     objective_targets: Mapping[str, LatencyTarget] = field(default_factory=dict)
-    trusted_headers: bool = True
+    trusted_headers: bool = False
+    authenticated_headers: frozenset[str] = frozenset()
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
     # Write the request's priority into the forwarded body as vLLM's ``priority`` field (for
     # engines run with ``--scheduling-policy priority``; docs/admission.md, engine priority).
     engine_priority: bool = False
+
+    def trusts(self, header: str) -> bool:
+        """Whether header ``header``'s value comes from a trusted source, not the client."""
+        return self.trusted_headers or header in self.authenticated_headers
+
+    def identity_headers(self) -> tuple[str, ...]:
+        """Every header that names a priority, objective, tenant or latency target: the ones
+        Envoy strips from clients unless the configuration trusts them."""
+        return (
+            self.priority_header,
+            self.objective_header,
+            self.fairness_header,
+            wire.SLO_TTFT_HEADER,
+            wire.SLO_TPOT_HEADER,
+        )
 
 
 @dataclass(slots=True)
@@ -223,16 +244,9 @@ class InferenceRequest:
         return max(0, self.prompt_tokens() - cached) + self.output_tokens()
 
 
-@functools.lru_cache(maxsize=256)
 def api_for_path(path: str) -> Api | None:
-    """The OpenAI API a path addresses, judged by suffix so ``/openai/v1/...`` prefixes work.
-    Cached: asked twice a request (headers, body) of the few paths clients use; a bounded
-    cache, as paths are the client's to choose."""
-    path = path.split("?", 1)[0].rstrip("/")
-    for suffix, api in _API_BY_SUFFIX:
-        if path.endswith(suffix):
-            return api
-    return None
+    """The OpenAI API a path addresses: the path without its query string, exactly."""
+    return _API_BY_PATH.get(path.partition("?")[0])
 
 
 def parse_request(
@@ -533,18 +547,20 @@ def _identity(headers: Mapping[str, str], policy: RequestPolicy) -> tuple[int, s
     if key is not None:
         objective = key.objective or ""
         return policy.objectives.get(objective, 0), key.tenant, objective
-    if not policy.trusted_headers:
-        return 0, wire.DEFAULT_FLOW, ""
-    objective = headers.get(policy.objective_header, "")
-    return (
-        _priority(headers, policy),
-        headers.get(policy.fairness_header) or wire.DEFAULT_FLOW,
-        objective if objective in policy.objectives else "",
+    objective = (
+        headers.get(policy.objective_header, "") if policy.trusts(policy.objective_header) else ""
     )
+    if objective not in policy.objectives:
+        objective = ""
+    fairness_id = (
+        headers.get(policy.fairness_header) if policy.trusts(policy.fairness_header) else None
+    )
+    return _priority(headers, policy, objective), fairness_id or wire.DEFAULT_FLOW, objective
 
 
-def _priority(headers: Mapping[str, str], policy: RequestPolicy) -> int:
-    raw = headers.get(policy.priority_header)
+def _priority(headers: Mapping[str, str], policy: RequestPolicy, objective: str) -> int:
+    """A trusted priority header, else the objective's priority (0 for none)."""
+    raw = headers.get(policy.priority_header) if policy.trusts(policy.priority_header) else None
     if raw is not None:
         try:
             return int(raw)
@@ -552,10 +568,7 @@ def _priority(headers: Mapping[str, str], policy: RequestPolicy) -> int:
             raise bad_request(
                 f"Header '{policy.priority_header}' must be an integer, got '{raw}'."
             ) from None
-    objective = headers.get(policy.objective_header)
-    if objective is not None:
-        return policy.objectives.get(objective, 0)
-    return 0
+    return policy.objectives.get(objective, 0)
 
 
 # A prompt as read from a body: the text to hash, token ids if given, the conversation if any.

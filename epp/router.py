@@ -431,9 +431,10 @@ def _target(request: InferenceRequest, gen: Generation) -> LatencyTarget | None:
     on the objective alone: merged once per generation."""
     config = gen.config
     ttft = tpot = None
-    if config.request.trusted_headers:
-        headers = request.headers
+    policy, headers = config.request, request.headers
+    if policy.trusts(SLO_TTFT_HEADER):
         ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
+    if policy.trusts(SLO_TPOT_HEADER):
         tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
     if ttft is None and tpot is None:
         targets = gen.objective_targets

@@ -300,10 +300,7 @@ class StreamHandler:
             return
         self._observer = None
         outcome = observer.finish(self._clock() if at is None else at, complete)
-        context = self.context
-        self._router.lifecycle.finished(
-            Finished(context, request, outcome, self._objective(request))
-        )
+        self._router.lifecycle.finished(Finished(self.context, request, outcome, request.objective))
         if self.context.trace is not None:
             self.context.trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
 
@@ -314,12 +311,6 @@ class StreamHandler:
         if trace is not None:
             self.context.trace = None
             trace.end()
-
-    def _objective(self, request: InferenceRequest) -> str:
-        """The request's objective when it is a configured one ('' otherwise): bounded."""
-        policy = self.context.generation.config.request
-        name = request.headers.get(policy.objective_header, "")
-        return name if name in policy.objectives else ""
 
     def _complete(self, after: Sequence[Response] = ()) -> Sequence[Response]:
         """The body is whole: parse it, then route now, or hold it in :attr:`pending` when the
@@ -522,8 +513,8 @@ class StreamHandler:
     def _header_only(self) -> Response:
         """Requests without a body: epp answers the model listing itself."""
         method = self.context.headers.get(":method", "GET")
-        path = self.context.headers.get(":path", "").split("?", 1)[0].rstrip("/")
-        if method == "GET" and path.endswith("/v1/models"):
+        path = self.context.headers.get(":path", "").split("?", 1)[0]
+        if method == "GET" and path == "/v1/models":  # exactly, as api_for_path matches
             REQUESTS.add(("", "models"))
             RESULTS.add(("ok",))
             if self.context.trace is not None:

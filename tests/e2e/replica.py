@@ -10,7 +10,8 @@ It also answers with its own ``x-epp-scores`` header (:data:`OWN_SCORES`), as a 
 another epp would: what the client receives in that header must be this epp's or nothing.
 
 Prompts steer it: one containing ``BREAK`` gets a 200, one token, and then a dropped connection
-(a failure after the response began). Every request body it received is kept in ``received``.
+(a failure after the response began). Every request body it received is kept in ``received``,
+its path and headers in ``requests``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class TrickleReplica:
         self.first_token_delay = first_token_delay
         self.token_pause = token_pause
         self.received: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, dict[str, str]]] = []
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -79,6 +81,7 @@ class TrickleReplica:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.requests.append((request.raw_path, {k.lower(): v for k, v in request.headers.items()}))
         prompt = str(body["messages"][-1]["content"])
         resp = web.StreamResponse(
             headers={

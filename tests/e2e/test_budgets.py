@@ -22,6 +22,8 @@ from tests.helpers import redis_servers
 RPM = 40
 TPM = 100_000  # generous: requests run out first, the token headers still show
 WINDOW = 30  # seconds: the whole run falls in one window even on a slow machine
+EVALS_KEY = "sk-test-evals"
+CHAT_KEY = "sk-test-chat"
 OFFERED = 2 * RPM
 PACE = 0.1  # seconds between requests: twice the limit offered over 8 s, as a steady stream
 
@@ -40,6 +42,8 @@ def budget_stack(tmp: Path, mode: str, redis_url: str = REDIS_URL) -> Stack:
                 "tenants": {"evals": {"rpm": RPM, "tpm": TPM}},
                 "window_seconds": WINDOW,
             },
+            # Tenants come from their API keys (a fairness header from a client is stripped).
+            "request": {"api_keys": {EVALS_KEY: {"tenant": "evals"}, CHAT_KEY: {"tenant": "chat"}}},
         },
     )
 
@@ -63,9 +67,7 @@ def test_two_epps_admit_one_tenants_limit_and_429_with_the_headers(
         stack.start()
         both_epps_used(stack)
         # Another tenant has no budget: no headers, never refused.
-        other = completion(
-            stack.url, "other tenant", 1, **{"x-gateway-inference-fairness-id": "chat"}
-        )
+        other = completion(stack.url, "other tenant", 1, authorization=f"Bearer {CHAT_KEY}")
         assert other.status == 200
         assert "x-ratelimit-limit-requests" not in other.headers
 
@@ -73,9 +75,7 @@ def test_two_epps_admit_one_tenants_limit_and_429_with_the_headers(
 
         def send(i: int) -> Reply:
             time.sleep(max(0.0, started + i * PACE - time.monotonic()))
-            return completion(
-                stack.url, f"eval {i}", 2, **{"x-gateway-inference-fairness-id": "evals"}
-            )
+            return completion(stack.url, f"eval {i}", 2, authorization=f"Bearer {EVALS_KEY}")
 
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(send, range(OFFERED)))
@@ -141,9 +141,7 @@ def test_with_redis_down_each_epp_admits_at_most_its_share(tmp_path: Path) -> No
                 "both epps in local mode",
             )
             replies = [
-                completion(
-                    stack.url, f"eval {i}", 2, **{"x-gateway-inference-fairness-id": "evals"}
-                )
+                completion(stack.url, f"eval {i}", 2, authorization=f"Bearer {EVALS_KEY}")
                 for i in range(OFFERED)
             ]
             share = RPM // 2

@@ -53,7 +53,11 @@ def fleet(
         replicas=1,
         config_extra={
             "routing": {"inject_stream_usage": True},
-            "request": {"objectives": {"critical": 10, "batch": -1}, "engine_priority": True},
+            "request": {
+                "objectives": {"critical": 10, "batch": -1},
+                "engine_priority": True,
+                "trusted_headers": True,  # the objective header stands for a gateway in front
+            },
             "admission": {"mode": "off"},
             "models": {"trickle": {"pools": ["trickle"]}},
             "pools": {"trickle": {"endpoints": [replica.address]}},

@@ -38,7 +38,8 @@ def test_flow_control_holds_dispatches_and_refuses(tmp_path: Path) -> None:
         config_extra={
             # One request in flight per replica is "full"; the queue holds two for TTL seconds.
             "admission": {"mode": "queue", "max_requests": 1, "capacity": 2, "ttl": TTL},
-            "request": {"trusted_headers": False, "objectives": {"critical": 10}},
+            # No trusted source: the identity headers clients send are stripped (the default).
+            "request": {"objectives": {"critical": 10}},
         },
     )
     with stack:

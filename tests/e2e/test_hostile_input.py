@@ -33,7 +33,9 @@ def hostile(
         "hostile",
         request.param,
         replicas=1,
-        config_extra={"routing": {"max_body_bytes": LIMIT}},
+        # Trusted identity headers, so that a malformed one reaches epp (by default Envoy
+        # strips them before epp sees them).
+        config_extra={"routing": {"max_body_bytes": LIMIT}, "request": {"trusted_headers": True}},
     )
 
 

@@ -146,6 +146,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
             "admission": {"mode": "queue", "ttl": 0.3},
             # A tenant over its budget: the budget panels show admitted and refused requests.
             "budgets": {"tenants": {"evals": {"rpm": 2}}, "window_seconds": 5},
+            # The priority and tenant headers stand for a gateway in front that sets them.
+            "request": {"trusted_headers": True},
         },
         sim_args=["--time-scale", "0.05"],
     )

@@ -205,7 +205,11 @@ def test_no_scores_header_without_explain(stack: Stack) -> None:
 
 def test_sheddable_requests_get_429_when_every_replica_is_saturated(tmp_path: Path) -> None:
     stack = make_stack(
-        tmp_path, "buffered", "memory", config_extra={"admission": {"queue_threshold": 1}}
+        tmp_path,
+        "buffered",
+        "memory",
+        # x-priority stands for a gateway in front that sets it.
+        config_extra={"admission": {"queue_threshold": 1}, "request": {"trusted_headers": True}},
     )
     with stack:
         stack.start()

@@ -32,7 +32,10 @@ def test_batch_spills_only_while_home_is_saturated(tmp_path: Path, mode: str) ->
         "overflow": {"remote": {"gateway": [remote], "endpoints": [remote], "max_requests": 1}},
         # One request in flight makes the home replica full.
         "admission": {"mode": "queue", "max_requests": 1, "ttl": 20},
-        "request": {"objectives": {"critical": 10, "batch": {"priority": -1, "spill": True}}},
+        "request": {
+            "objectives": {"critical": 10, "batch": {"priority": -1, "spill": True}},
+            "trusted_headers": True,  # the objective header stands for a gateway in front
+        },
     }
     with stack:
         stack.start()

@@ -55,7 +55,11 @@ def test_stale_threshold_follows_scrape_interval() -> None:
 
 async def test_sheddable_request_gets_429_when_saturated_others_are_routed() -> None:
     config = parse_config(
-        {"models": {"tiny": {"pools": ["p"]}}, "pools": {"p": {"endpoints": ["127.0.0.1:1"]}}}
+        {
+            "models": {"tiny": {"pools": ["p"]}},
+            "pools": {"p": {"endpoints": ["127.0.0.1:1"]}},
+            "request": {"trusted_headers": True},  # x-priority set by a gateway in front
+        }
     )
     store = MemoryStore()
     busy = EndpointMetrics(waiting=20)

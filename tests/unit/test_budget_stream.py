@@ -15,7 +15,9 @@ from epp.extproc.stream import StreamHandler
 from epp.router import Router
 from tests.unit.test_stream import BODY, body_msg, headers_msg, immediate, make_router
 
-TENANT = {"x-gateway-inference-fairness-id": "evals"}
+# The tenant comes from its API key (a trusted source); a raw fairness header would not count.
+TENANT = {"authorization": "Bearer sk-evals"}
+KEYS = {"sk-evals": {"tenant": "evals"}}
 
 
 async def budget_router(rpm: int, tpm: int, ready: tuple[str, ...] | None = None) -> Router:
@@ -25,6 +27,7 @@ async def budget_router(rpm: int, tpm: int, ready: tuple[str, ...] | None = None
             "models": {"tiny": {"pools": ["main"]}},
             "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
             "budgets": {"tenants": {"evals": {"rpm": rpm, "tpm": tpm}}},
+            "request": {"api_keys": KEYS},
         }
     )
     return router
@@ -123,6 +126,7 @@ async def test_a_reloaded_budget_applies_to_the_next_request() -> None:
             "models": {"tiny": {"pools": ["main"]}},
             "pools": {"main": {"endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}},
             "budgets": {"tenants": {"evals": {"rpm": 2}}},
+            "request": {"api_keys": KEYS},
         }
     )
     handler = await admitted(router)  # the window kept its one request; the limit is now 2

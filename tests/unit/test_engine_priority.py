@@ -52,7 +52,11 @@ async def make_router(**extra: Any) -> Router:
         {
             "models": {"tiny": {"pools": ["main"]}},
             "pools": {"main": {"endpoints": [ENDPOINT]}},
-            "request": {"objectives": {"critical": 10, "batch": -1}, "engine_priority": True},
+            "request": {
+                "objectives": {"critical": 10, "batch": -1},
+                "engine_priority": True,
+                "trusted_headers": True,  # the objective header is set by a gateway in front
+            },
             # The endpoint's metrics are never scraped here: no shedding of batch for that.
             "admission": {"mode": "off"},
             **extra,

@@ -43,6 +43,7 @@ from epp.envoy_config import (
     render,
     run,
 )
+from epp.request import RequestPolicy
 from epp.wire import CONTROL_HEADERS, DESTINATION, LB_NAMESPACE, SERVED
 from tests.helpers.envoy import EnvoyProcess, envoy_binary, validate
 
@@ -89,7 +90,10 @@ def test_filter_order_strips_control_headers_before_ext_proc() -> None:
         "envoy.filters.http.router",
     ]
     removed = _filters(bootstrap(_config(["127.0.0.1:8001"])))[0]["typed_config"]["mutations"]
-    assert [m["remove"] for m in removed["request_mutations"]] == list(CONTROL_HEADERS)
+    # Control headers, then every identity header (untrusted by default).
+    stripped = [m["remove"] for m in removed["request_mutations"]]
+    assert stripped[: len(CONTROL_HEADERS)] == list(CONTROL_HEADERS)
+    assert set(stripped[len(CONTROL_HEADERS) :]) == set(RequestPolicy().identity_headers())
     assert removed["response_mutations"] == [{"remove": "x-gateway-destination-endpoint-served"}]
 
 
@@ -130,7 +134,8 @@ def test_envoys_own_replies_skip_ext_proc() -> None:
 def test_route_has_no_timeout_and_retries_fallbacks() -> None:
     route = _route(bootstrap(_config(["127.0.0.1:8001"], fallbacks=3, max_body_bytes=5_000_000)))
     assert route["route"]["timeout"] == "0s"
-    assert route["route"]["idle_timeout"] == "0s"
+    # A silent stream (a long generation not streamed) may idle for edge.stream_idle_timeout_s.
+    assert route["route"]["idle_timeout"] == "900s"
     assert route["route"]["retry_policy"]["num_retries"] == 3
     assert set(route["route"]["retry_policy"]["retry_on"].split(",")) >= {"5xx", "connect-failure"}
     added = {h["header"]["key"]: h["header"]["value"] for h in route["response_headers_to_add"]}

@@ -21,7 +21,8 @@ from epp.request import (
     parse_request,
 )
 
-POLICY = RequestPolicy(objectives={"critical": 5, "batch": -1})
+# Headers set by a trusted gateway (request.trusted_headers): what parsing makes of them.
+POLICY = RequestPolicy(objectives={"critical": 5, "batch": -1}, trusted_headers=True)
 
 
 def parse(path: str, body: object, **headers: str):
@@ -40,13 +41,20 @@ def refused(path: str, body: object, **headers: str) -> RequestError:
     [
         ("/v1/completions", "completions"),
         ("/v1/chat/completions", "chat"),
-        ("/openai/v1/chat/completions?x=1", "chat"),
+        ("/v1/chat/completions?x=1", "chat"),
         ("/v1/responses", "responses"),
-        ("/v1/embeddings/", "embeddings"),
+        ("/v1/embeddings", "embeddings"),
         ("/v1/models", None),
+        # Matched exactly: a path that merely ends like an API is not one.
+        ("/openai/v1/chat/completions", None),
+        ("/v1/../admin/../v1/chat/completions", None),
+        ("/v1//completions", None),
+        ("/v1/chat%2Fcompletions", None),
+        ("/v1/embeddings/", None),
+        ("/admin/v1/completions", None),
     ],
 )
-def test_api_by_path_suffix(path: str, api: str | None) -> None:
+def test_api_by_exact_path(path: str, api: str | None) -> None:
     assert api_for_path(path) == api
 
 

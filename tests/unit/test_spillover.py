@@ -118,7 +118,7 @@ def test_only_trusted_spill_eligible_objectives_carry_an_objective() -> None:
     body = b'{"model":"tiny","prompt":"p"}'
 
     def objective(headers: dict[str, str], trusted: bool = True) -> str:
-        p = policy if trusted else type(policy)(**{**_fields(policy), "trusted_headers": False})
+        p = type(policy)(**{**_fields(policy), "trusted_headers": trusted})
         return parse_request("/v1/completions", headers, body, p).objective
 
     assert objective({"x-gateway-inference-objective": "batch"}) == "batch"

@@ -1,10 +1,12 @@
 """Latency targets: send a request only where it is predicted to meet its TTFT and TPOT targets.
 
-A request's targets, each kind on its own, come from a trusted caller's ``x-llm-d-slo-ttft-ms``
-/ ``x-llm-d-slo-tpot-ms`` headers (llm-d's names; ignored when ``request.trusted_headers`` is
-false), else from its objective (``request.objectives.NAME.ttft_ms`` / ``tpot_ms``), else from
-this plugin's ``ttft_ms`` / ``tpot_ms`` (the profile's defaults; 0: none). The router puts
-them in the cycle (:data:`LATENCY_TARGET`). The predictions are the
+A request's targets, each kind on its own, come from the ``x-llm-d-slo-ttft-ms`` /
+``x-llm-d-slo-tpot-ms`` headers (llm-d's names) when the configuration trusts whoever sets
+them (``request.trusted_headers``, or an authorization service allowed to set them; the
+rendered Envoy strips client copies otherwise, docs/identity.md), else from its objective
+(``request.objectives.NAME.ttft_ms`` / ``tpot_ms``), else from this plugin's ``ttft_ms`` /
+``tpot_ms`` (the profile's defaults; 0: none). The router puts them in the cycle
+(:data:`LATENCY_TARGET`). The predictions are the
 ``predicted-latency-scorer``'s (:data:`~epp.scheduling.scorers.latency.PREDICTED_LATENCY`),
 a required input.
 
