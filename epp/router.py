@@ -393,6 +393,7 @@ class Router:
         record: dict[str, Any] = {
             "request_id": request.request_id,
             "model": request.model,
+            "priority": request.priority,
             "at": time.time(),
             "endpoints": [e.address for e in decision.endpoints],
             "scores": decision.scores,
