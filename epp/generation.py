@@ -12,7 +12,7 @@ a change there builds a new generation, like a reload.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from epp.config import Config
@@ -43,11 +43,11 @@ class Generation:
     # The profile's default target, merged with each objective's ('' for no objective).
     default_target: LatencyTarget
     objective_targets: Mapping[str, LatencyTarget | None]
-    rewrites: RewriteTable = field(default_factory=RewriteTable)
+    rewrites: RewriteTable
     # The model names a request may send (configured ones and those rules rewrite).
-    models: AcceptedModels = field(default_factory=lambda: AcceptedModels({}, RewriteTable()))
+    models: AcceptedModels
     # Why some of the cluster's rules or objectives are not used as they are (for a log line).
-    problems: tuple[str, ...] = ()
+    problems: tuple[str, ...]
 
     @classmethod
     def build(cls, config: Config, cluster: ClusterPolicy | None = None) -> Generation:

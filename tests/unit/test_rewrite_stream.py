@@ -138,3 +138,18 @@ async def test_a_cluster_objective_sets_the_priority() -> None:
     assert second.context.request is not None
     assert second.context.request.priority == 7
     assert second.context.request.objective == "critical"
+
+
+async def test_a_conflict_is_logged_once_while_it_lasts(caplog: pytest.LogCaptureFixture) -> None:
+    router = await make_router()
+    base = router.config
+    conflict = ClusterPolicy(rewrites=(Rule(("chat",), (Target("chat-v2", 1),), "cluster"),))
+    router.cluster = conflict
+    router.config = base  # discovery or a reload rebuilds the generation: no new line
+    router.cluster = conflict
+    replaced = [r for r in caplog.records if "replaced by a rule from the cluster" in r.message]
+    assert len(replaced) == 1
+    router.cluster = ClusterPolicy()  # resolved, then back: said again
+    router.cluster = conflict
+    replaced = [r for r in caplog.records if "replaced by a rule from the cluster" in r.message]
+    assert len(replaced) == 2
