@@ -55,6 +55,7 @@ from epp.request import (
     set_engine_priority,
     too_deep,
 )
+from epp.rewrite import explained
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, Recording, move_pick
@@ -480,7 +481,8 @@ class StreamHandler:
         scores = None
         routing = self.context.generation.config.routing
         if decision.scores is not None and routing.explains_to(self.context.headers.get(EXPLAIN)):
-            scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
+            shown = explained(decision.scores, self.context.rewrite)
+            scores = json.dumps(shown, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             size = sum(map(len, chunks))
             return (

@@ -12,6 +12,7 @@ from epp.rewrite.rules import (
     RewriteTable,
     Rule,
     Target,
+    explained,
 )
 
-__all__ = ["ANY_MODEL", "AcceptedModels", "Rewrite", "RewriteTable", "Rule", "Target"]
+__all__ = ["ANY_MODEL", "AcceptedModels", "Rewrite", "RewriteTable", "Rule", "Target", "explained"]

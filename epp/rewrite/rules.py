@@ -79,6 +79,12 @@ class Rewrite:
         }
 
 
+def explained(scores: Mapping[str, Any], rewrite: Rewrite | None) -> Mapping[str, Any]:
+    """The explain header's content: the candidates' scores (keyed by endpoint), and under
+    ``rewrite`` the rewrite that applied, if any."""
+    return scores if rewrite is None else {**scores, "rewrite": rewrite.explain()}
+
+
 class RewriteTable:
     """Rules in precedence order; answers which rule applies to a model and its target."""
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from epp._proto import ext_proc_pb2
 from epp.config import parse_config
 from epp.discovery.policy import ClusterPolicy
 from epp.extproc.stream import StreamHandler
@@ -42,11 +43,20 @@ async def make_router() -> Router:
     return Router(config, FleetState(store))
 
 
-def send(handler: StreamHandler, mode: int, body: dict[str, Any], **headers: str) -> dict[str, Any]:
-    """Run one request through ``handler``; the body it forwards upstream."""
+def send(
+    handler: StreamHandler,
+    mode: int,
+    body: dict[str, Any],
+    answered: list[ext_proc_pb2.ProcessingResponse] | None = None,
+    **headers: str,
+) -> dict[str, Any]:
+    """Run one request through ``handler``; the body it forwards upstream (the routing answer
+    appended to ``answered``)."""
     raw = json.dumps(body).encode()
     handler.handle(headers_msg(mode=mode, extra=headers))
     answers = handler.handle(body_msg(raw))
+    if answered is not None:
+        answered.append(answers[0])
     if mode == FULL_DUPLEX:
         sent = b"".join(
             a.request_body.response.body_mutation.streamed_response.body for a in answers[1:]
@@ -71,7 +81,8 @@ async def test_the_forwarded_body_and_the_schedule_carry_the_target(mode: int) -
     before = routed("chat", "chat-v1")
     handler = StreamHandler(router)
     body = {"model": "chat", "prompt": "hello", "max_tokens": 4, "extra": {"kept": [1, 2]}}
-    sent = send(handler, mode, body, **{"x-request-id": f"rw-{mode}"})
+    answered: list[ext_proc_pb2.ProcessingResponse] = []
+    sent = send(handler, mode, body, answered, **{"x-request-id": f"rw-{mode}"})
     assert sent == {**body, "model": "chat-v1"}
     request = handler.context.request
     assert request is not None
@@ -79,12 +90,18 @@ async def test_the_forwarded_body_and_the_schedule_carry_the_target(mode: int) -
     assert routed("chat", "chat-v1") == before + 1
     decision = router.decisions[f"rw-{mode}"]
     assert decision["model"] == "chat-v1"
-    assert decision["rewrite"] == {
+    explained = {
         "model": "chat",
         "target": "chat-v1",
         "rule": "models.chat.rewrite",
         "sticky": False,
     }
+    assert decision["rewrite"] == explained
+    # The explain header (envoy.lb metadata) carries it beside the candidates' scores.
+    lb = answered[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    header = json.loads(lb["x-epp-scores"].string_value)
+    assert header["rewrite"] == explained
+    assert header[ENDPOINT]["total"] == decision["scores"][ENDPOINT]["total"]
 
 
 @MODES
