@@ -269,3 +269,19 @@ def test_an_inference_objective_changes_the_band_live(canary: Canary) -> None:
     finally:
         canary.kube.delete(kind, "critical")
     wait_until(lambda: priority() == 0, 2, "the objective gone")
+
+
+def test_the_answer_explains_the_rewrite(canary: Canary) -> None:
+    reply = request(
+        canary.stack.url,
+        "/v1/completions",
+        {"model": "chat", "prompt": "why", "max_tokens": 1},
+        {"x-session-token": f"{canary.mode}-explained"},
+    )
+    assert reply.status == 200
+    explained = json.loads(reply.headers["x-epp-scores"])["rewrite"]
+    assert explained["model"] == "chat"
+    assert explained["sticky"] is True
+    assert explained["rule"] == "InferenceModelRewrite default/canary rules[0]"
+    # The response names the model that ran: the target, as the engine returns it.
+    assert reply.json()["model"] == explained["target"]
