@@ -124,7 +124,12 @@ def canary(
             replicas=0,
             mode=mode,  # type: ignore[arg-type]
             epp_args=["--eds-dir", str(eds_dir)],
-            config_extra={"routing": {"explain": True}, "admission": {"mode": "off"}},
+            config_extra={
+                "routing": {"explain": True},
+                "admission": {"mode": "off"},
+                # The test is the gateway that sets the objective header.
+                "request": {"trusted_headers": True},
+            },
         )
         with stack:
             write_configs(stack, kube.url, eds_dir, mode)
