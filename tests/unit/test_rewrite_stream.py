@@ -5,6 +5,7 @@ change of the cluster's rules reaches the next stream, not one already open."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -172,3 +173,24 @@ async def test_a_conflict_is_logged_once_while_it_lasts(caplog: pytest.LogCaptur
     router.cluster = conflict
     replaced = [r for r in caplog.records if "replaced by a rule from the cluster" in r.message]
     assert len(replaced) == 2
+
+
+async def test_a_reload_changes_the_split_for_the_next_stream() -> None:
+    router = await make_router()
+    before = StreamHandler(router)
+    data = router.config
+    models = {**data.models, "chat": replace(data.models["chat"], rewrite=(Target("chat-v2"),))}
+    router.config = replace(data, models=models)
+    body = {"model": "chat", "prompt": "x"}
+    assert send(StreamHandler(router), BUFFERED, body)["model"] == "chat-v2"
+    assert send(before, BUFFERED, body)["model"] == "chat-v1"
+
+
+async def test_a_match_all_rule_never_labels_the_clients_name() -> None:
+    router = await make_router()
+    router.cluster = ClusterPolicy(rewrites=(Rule((), (Target("chat-v1"),), "match-all"),))
+    handler = StreamHandler(router)
+    sent = send(handler, BUFFERED, {"model": "made-up-by-a-client", "prompt": "x"})
+    assert sent["model"] == "chat-v1"
+    assert routed("made-up-by-a-client", "chat-v1") == 0
+    assert routed("*", "chat-v1") >= 1
