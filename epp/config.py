@@ -2,7 +2,8 @@
 
 Shape (every section optional except ``models`` and ``pools``)::
 
-    models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR}}
+    models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR,
+                     rewrite: [{model: MODEL, weight: int}, ...]}}  (docs/rewrite.md)
     pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}
                     | {discovery: {dns: {...}} | {kubernetes: {...}}},
                      metrics_tls: {ca, cert, key, server_name},  (docs/discovery.md, security.md)
@@ -73,6 +74,7 @@ from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.edge import Authentication, AuthService, EdgeLimits, JwtAuth
 from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
+from epp.rewrite import Target
 from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
 from epp.scheduling.params import parse_params
 from epp.secrets import SecretError, expand, read_file
@@ -234,6 +236,9 @@ class ModelConfig:
     lora: bool = False
     # Local Hugging Face tokenizer directory, for scorers that need the engine's token ids.
     tokenizer: str | None = None
+    # Requests for this name go to these models, each a share by weight (docs/rewrite.md);
+    # such a model needs no pools of its own.
+    rewrite: tuple[Target, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -587,8 +592,9 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
 def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, ModelConfig]:
     models: dict[str, ModelConfig] = {}
     for name, model in node.items():
-        model.only("pools", "lora", "tokenizer")
-        refs = model.child("pools", required=True)
+        model.only("pools", "lora", "tokenizer", "rewrite")
+        rewrites = model.at("rewrite").value is not None
+        refs = model.child("pools", required=not rewrites)
         if refs.value == []:
             refs.report("must name at least one pool")
         names = []
@@ -604,10 +610,34 @@ def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, Mode
             model.at("tokenizer").report(
                 f"must be a directory with tokenizer.json, got {tokenizer!r}"
             )
-        models[name] = ModelConfig(tuple(names), model.get("lora", bool, False), tokenizer)
+        models[name] = ModelConfig(
+            tuple(names), model.get("lora", bool, False), tokenizer, _rewrite(model.at("rewrite"))
+        )
     if not models and node.value is not None:
         node.report("must define at least one model")
+    served = {name for name, spec in models.items() if spec.pools}
+    for name, model in node.items():
+        for i, target in enumerate(models[name].rewrite):
+            if target.model not in served:
+                model.at("rewrite").at(i).at("model").report(
+                    f"must name a model with pools, got {target.model!r}"
+                )
     return models
+
+
+def _rewrite(node: _Node) -> tuple[Target, ...]:
+    """``models.NAME.rewrite``: the weighted targets (weight 1 unless given)."""
+    if node.value == []:
+        node.report("must list at least one target")
+    targets = []
+    for entry in node.list():
+        entry.only("model", "weight")
+        model = entry.get("model", str, "")
+        if not model:
+            entry.at("model").report("must name the target model")
+            continue
+        targets.append(Target(model, entry.integer("weight", 1, ge=1)))
+    return tuple(targets)
 
 
 def _server(node: _Node) -> ServerConfig:

@@ -4,17 +4,22 @@ A stream captures the generation current when it opens and keeps it to its end: 
 its body, its admission (however long flow control holds it) and its pick all read one
 configuration, so a reload never splits a request between two (docs/architecture.md). Which
 endpoints exist is not part of it: discovery changes membership under running streams, and a
-held request must not be released onto a replica that has left.
+held request must not be released onto a replica that has left. What the cluster says
+(``InferenceModelRewrite`` and ``InferenceObjective`` resources, :class:`ClusterPolicy`) is:
+a change there builds a new generation, like a reload.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from epp.config import Config
+from epp.discovery.policy import ClusterPolicy
 from epp.request import LatencyTarget
+from epp.rewrite import AcceptedModels, RewriteTable, Rule
+from epp.rewrite.rules import usable
 from epp.scheduling import Profile, build_profile
 
 
@@ -28,7 +33,8 @@ class DefaultTarget(Protocol):
 @dataclass(frozen=True, slots=True)
 class Generation:
     """One configuration and what is derived from it for requests: the selected profile's
-    plugins and the latency target of each objective."""
+    plugins, the latency target of each objective and the model rewrites. ``config`` holds the
+    cluster's objectives merged into the file's."""
 
     config: Config
     profile: Profile
@@ -37,9 +43,28 @@ class Generation:
     # The profile's default target, merged with each objective's ('' for no objective).
     default_target: LatencyTarget
     objective_targets: Mapping[str, LatencyTarget | None]
+    rewrites: RewriteTable
+    # The model names a request may send (configured ones and those rules rewrite).
+    models: AcceptedModels
+    # Why some of the cluster's rules or objectives are not used as they are (for a log line).
+    problems: tuple[str, ...]
 
     @classmethod
-    def build(cls, config: Config) -> Generation:
+    def build(cls, config: Config, cluster: ClusterPolicy | None = None) -> Generation:
+        cluster = cluster or ClusterPolicy()
+        problems = list(cluster.problems)
+        if cluster.objectives:
+            file = config.request.objectives
+            problems += [
+                f"objective {name!r}: priority {priority} from the cluster overrides "
+                f"{file[name]} from the file"
+                for name, priority in cluster.objectives.items()
+                if name in file and file[name] != priority
+            ]
+            objectives = {**file, **cluster.objectives}
+            config = replace(config, request=replace(config.request, objectives=objectives))
+        rewrites, dropped = _rewrites(config, cluster)
+        problems += dropped
         profile = build_profile(config.scheduling.selected)
         default = next(
             (f.default_target for f in profile.filters if isinstance(f, DefaultTarget)),
@@ -56,7 +81,29 @@ class Generation:
                 name: merged(default, config.request.objective_targets.get(name))
                 for name in ("", *config.request.objective_targets)
             },
+            rewrites=rewrites,
+            models=AcceptedModels(config.models, rewrites),
+            problems=tuple(problems),
         )
+
+
+def _rewrites(config: Config, cluster: ClusterPolicy) -> tuple[RewriteTable, list[str]]:
+    """The file's rules and the cluster's in precedence order: the cluster's exact rules
+    before the file's (the cluster wins, as for objectives), match-all rules after both;
+    targets epp cannot route left out."""
+    served = {name for name, spec in config.models.items() if spec.pools}
+    cluster_rules, problems = usable(cluster.rewrites, served)
+    named = RewriteTable(cluster_rules).names
+    file_rules = []
+    for name, spec in config.models.items():
+        if not spec.rewrite:
+            continue
+        if name in named:
+            problems.append(f"models.{name}.rewrite: replaced by a rule from the cluster")
+        file_rules.append(Rule((name,), spec.rewrite, f"models.{name}.rewrite"))
+    ordered = [r for r in cluster_rules if r.models] + file_rules
+    ordered += [r for r in cluster_rules if not r.models]
+    return RewriteTable(ordered), problems
 
 
 def merged(

@@ -20,6 +20,7 @@ from typing import Protocol
 from epp.admission.budgets import Charge
 from epp.generation import Generation
 from epp.request import InferenceRequest
+from epp.rewrite import Rewrite
 from epp.state.moves import PickRecord
 from epp.tracing import RequestTrace
 
@@ -83,6 +84,15 @@ class RequestContext:
     usage_expected: bool = False
     # epp added stream_options.include_usage: the usage chunk is hidden from the client.
     strip_usage: bool = False
+    # The model rewrite that applied (epp.rewrite): the request's model is its target.
+    rewrite: Rewrite | None = None
+
+    def requested_label(self) -> str:
+        """The ``model_name`` label: the model the client asked for (a bounded value: a
+        configured model or a rule's name), the request's model when nothing rewrote it."""
+        if self.rewrite is not None:
+            return self.rewrite.requested
+        return self.request.model if self.request is not None else ""
 
 
 @dataclass(frozen=True, slots=True)

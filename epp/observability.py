@@ -156,9 +156,9 @@ KV_INDEX_BLOCKS = Gauge(
 
 
 # -- responses (epp/extproc/response_stream.py) ----------------------------------------------
-# Names GIE and llm-d users already query keep their names and labels (model_name,
-# target_model_name; epp rewrites no model, so both hold the requested one); epp-only ones
-# are prefixed epp_.
+# Names GIE and llm-d users already query keep their names and labels (model_name: what the
+# client asked for, target_model_name: the model a rewrite sent it to, else the same; both
+# bounded by the configuration, epp.rewrite); epp-only ones are prefixed epp_.
 
 _MODEL = ["model_name", "target_model_name"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -24,6 +24,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
 from epp.admission.spillover import inflight_key
 from epp.config import Config
+from epp.discovery.policy import ClusterPolicy
 from epp.discovery.settling import Settling
 from epp.generation import Generation, merged
 from epp.hooks import standard_lifecycle
@@ -42,6 +43,7 @@ from epp.observability import (
     child,
 )
 from epp.request import InferenceRequest, LatencyTarget
+from epp.rewrite import Rewrite
 from epp.scheduling import Cycle, Decision
 from epp.scheduling.prefix_data import CACHED_TOKENS
 from epp.scheduling.scorers.latency import LATENCY_TARGET
@@ -71,6 +73,9 @@ class Router:
         self.flow = FlowController(QueueLimits(), self.pool_saturated, group=fleet.queues)
         # Tenant budgets: what each tenant spent and holds leased (docs/admission.md).
         self.budgets = Budgets(config.budgets)
+        # What the cluster's resources add (docs/rewrite.md); set by the server as they change.
+        self._cluster = ClusterPolicy()
+        self._reported: frozenset[str] = frozenset()
         self.config = config
         # What finished responses teach: metrics, budgets, demand, latency, passive health.
         self.lifecycle, self.learning = standard_lifecycle(
@@ -90,14 +95,16 @@ class Router:
 
     @property
     def config(self) -> Config:
-        """The current configuration (a stream reads the one its :class:`Generation` holds)."""
-        return self._gen.config
+        """The current configuration as the file gives it (a stream reads the one its
+        :class:`Generation` holds, the cluster's objectives merged in)."""
+        return self._config
 
     @config.setter
     def config(self, config: Config) -> None:
         # Everything derived from the config is rebuilt together and swapped at once; streams
         # already open keep the generation they captured.
-        self._gen = Generation.build(config)
+        self._config = config
+        self._build()
         self._candidates = {m: config.endpoints_for_model(m) or () for m in config.models}
         self._pools = config.endpoint_pools()
         self._models_body = _models_body(config)
@@ -113,6 +120,23 @@ class Router:
         self.flow.limits = config.flow_control.limits
         self.flow.use_group = config.flow_control.scope == "group"
         self.budgets.policy = config.budgets
+
+    @property
+    def cluster(self) -> ClusterPolicy:
+        return self._cluster
+
+    @cluster.setter
+    def cluster(self, cluster: ClusterPolicy) -> None:
+        """The cluster's rewrites and objectives changed: streams opening from now on use them."""
+        self._cluster = cluster
+        self._build()
+
+    def _build(self) -> None:
+        self._gen = Generation.build(self._config, self._cluster)
+        problems = frozenset(self._gen.problems)
+        for problem in sorted(problems - self._reported):  # each logged once while it lasts
+            log.warning("%s", problem)
+        self._reported = problems
 
     @property
     def generation(self) -> Generation:
@@ -241,6 +265,7 @@ class Router:
         laps: list[Lap] | None = None,
         defer: list[Callable[[], None]] | None = None,
         gen: Generation | None = None,
+        rewrite: Rewrite | None = None,
     ) -> tuple[Decision, Ticket]:
         """Choose the endpoint and fallbacks, or raise :class:`~epp.errors.RequestError`.
 
@@ -249,7 +274,8 @@ class Router:
         With ``defer``, the profile's post-pick bookkeeping (prefix index, session binding) is
         appended to it instead of run (:meth:`Profile.run`). ``gen``: the generation the
         request's stream captured (default: the current one); which endpoints serve the model
-        is always the current answer.
+        is always the current answer. ``rewrite``: how the request's model was rewritten, for
+        the explained decision.
         """
         started = time.perf_counter()
         gen = gen or self._gen
@@ -320,7 +346,7 @@ class Router:
         PICKS.add((first.pool, first.address))
         REQUESTS.add((request.model, "routed"))
         if decision.scores is not None:
-            self._remember(request, decision)
+            self._remember(request, decision, rewrite)
         return decision, ticket
 
     def pass_through(self, pool: str, path: str) -> Ticket:
@@ -361,14 +387,19 @@ class Router:
             self._weights = (learned, config.weights, merged)
         return merged
 
-    def _remember(self, request: InferenceRequest, decision: Decision) -> None:
-        record = {
+    def _remember(
+        self, request: InferenceRequest, decision: Decision, rewrite: Rewrite | None
+    ) -> None:
+        record: dict[str, Any] = {
             "request_id": request.request_id,
             "model": request.model,
+            "priority": request.priority,
             "at": time.time(),
             "endpoints": [e.address for e in decision.endpoints],
             "scores": decision.scores,
         }
+        if rewrite is not None:
+            record["rewrite"] = rewrite.explain()
         log.debug("decision %s", json.dumps(record, sort_keys=True))
         self.decisions[request.request_id] = record
         while len(self.decisions) > RECENT_DECISIONS:

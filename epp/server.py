@@ -27,7 +27,9 @@ from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
 from epp.admission.budget_sync import BudgetSync
 from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
-from epp.discovery import Discovery, DiscoveryOptions
+from epp.discovery import Discovery, DiscoveryOptions, KubernetesSpec
+from epp.discovery.manager import pool_specs
+from epp.discovery.pool_resources import ClusterResources
 from epp.extproc.health import Health
 from epp.extproc.servicer import ExtProcServicer
 from epp.gc_tuning import settle_heap
@@ -147,6 +149,9 @@ class Server:
         self._invalidator = CacheInvalidator(self.fleet.prefix)
         self.kv_events = KvEventSubscriber(self.fleet.precise)
         self.discovery = Discovery(self._endpoints_changed, discovery)
+        # Rewrites and objectives from the cluster, for pools that follow an InferencePool.
+        self._overrides = (discovery or DiscoveryOptions()).overrides
+        self.resources = ClusterResources(self._resources_changed)
         self._grpc: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._health_grpc: grpc.aio.Server | None = None
@@ -157,6 +162,7 @@ class Server:
         config = self.router.config
         await self.store.start()
         self.discovery.configure(config)
+        self._follow_resources(config)
         config = self._use(config)
         if self.shared is not None:
             await self.shared.start()
@@ -239,6 +245,7 @@ class Server:
             await self._admin.cleanup()
         REGISTRY.unregister(self.pool_gauges)
         await self.discovery.stop()
+        await self.resources.stop()
         await self.scraper.stop()
         await self.kv_events.stop()
         if self.budget_sync is not None:
@@ -292,6 +299,7 @@ class Server:
             return False
         new = self._keep_restart_only(new)
         self.discovery.configure(new)
+        self._follow_resources(new)
         new = self._use(new)
         self._apply_prefix_sources(new)
         self._apply_trust(new)
@@ -329,6 +337,15 @@ class Server:
 
     def _endpoints_changed(self) -> None:
         self._use(self.router.config)
+
+    def _follow_resources(self, config: Config) -> None:
+        specs = pool_specs(config, self._overrides)
+        self.resources.configure(
+            {pool: s for pool, s in specs.items() if isinstance(s, KubernetesSpec)}
+        )
+
+    def _resources_changed(self) -> None:
+        self.router.cluster = self.resources.current()
 
     def _keep_restart_only(self, new: Config) -> Config:
         """``new`` with the running value of every restart-only section; a change to one is

@@ -55,6 +55,8 @@ InferencePool = create_namespaced_resource(
 # then doubling to a cap so a long outage costs the API server little.
 BACKOFF_START = 0.1
 BACKOFF_MAX = 5.0
+# How often a kind the cluster does not serve (its CRD not installed) is asked for again.
+ABSENT_RETRY = 30.0
 
 
 class Gone(Exception):
@@ -104,20 +106,7 @@ class KubernetesSource:
         self._spec = spec
 
     async def run(self, publish: Publish) -> None:
-        while True:
-            try:
-                client = make_client(self._spec)
-                break
-            except (ConfigError, KeyError, OSError) as exc:
-                log.error(
-                    "no Kubernetes credentials for InferencePool %s (%s: %s); run epp in a pod "
-                    "with a service account, or give kubeconfig / --kubeconfig; retrying in %gs",
-                    self._spec.pool_name,
-                    type(exc).__name__,
-                    exc,
-                    BACKOFF_MAX,
-                )
-                await asyncio.sleep(BACKOFF_MAX)
+        client = await connect(self._spec)
         pods: asyncio.Task[None] | None = None
         try:
             async for target in self._pool_targets(client):
@@ -149,7 +138,8 @@ class KubernetesSource:
         or is invalid (no endpoints then, as GIE serves none without its pool)."""
         fields = {"metadata.name": self._spec.pool_name}
         current: PoolTarget | bool | None = False  # False: nothing yielded yet
-        async for objects in self._list_watch(client, InferencePool, fields=fields):
+        namespace = self._spec.namespace
+        async for objects in list_watch(client, InferencePool, namespace, fields=fields):
             pool = objects.get(self._spec.pool_name)
             target: PoolTarget | None = None
             if pool is not None:
@@ -168,65 +158,103 @@ class KubernetesSource:
                 yield target
 
     async def _follow_pods(self, client: AsyncClient, target: PoolTarget, publish: Publish) -> None:
-        async for pods in self._list_watch(client, Pod, labels=dict(target.selector)):
+        namespace = self._spec.namespace
+        async for pods in list_watch(client, Pod, namespace, labels=dict(target.selector)):
             publish(
                 frozenset(ep for pod in pods.values() for ep in pod_endpoints(pod, target.ports))
             )
 
-    async def _list_watch(
-        self,
-        client: AsyncClient,
-        kind: Any,
-        *,
-        labels: Mapping[str, str] | None = None,
-        fields: Mapping[str, str] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The current objects by name after the list and after every event: list, watch from
-        the list's version, relist on 410, back off on other errors."""
-        namespace = self._spec.namespace
-        delay = BACKOFF_START
-        while True:
-            try:
-                listing = client.list(
-                    kind,
-                    namespace=namespace,
-                    labels=dict(labels) if labels else None,
-                    fields=dict(fields) if fields else None,
-                )
-                objects = {obj.metadata.name: obj async for obj in listing}
+
+async def connect(spec: KubernetesSpec) -> AsyncClient:
+    """A client for ``spec``'s cluster, retried until credentials are found."""
+    while True:
+        try:
+            return make_client(spec)
+        except (ConfigError, KeyError, OSError) as exc:
+            log.error(
+                "no Kubernetes credentials for InferencePool %s (%s: %s); run epp in a pod "
+                "with a service account, or give kubeconfig / --kubeconfig; retrying in %gs",
+                spec.pool_name,
+                type(exc).__name__,
+                exc,
+                BACKOFF_MAX,
+            )
+            await asyncio.sleep(BACKOFF_MAX)
+
+
+async def list_watch(
+    client: AsyncClient,
+    kind: Any,
+    namespace: str,
+    *,
+    labels: Mapping[str, str] | None = None,
+    fields: Mapping[str, str] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """The current objects by name after the list and after every event: list, watch from
+    the list's version, relist on 410, back off on other errors. A kind the cluster does not
+    serve (404: its CRD is not installed) is said once, then asked for again every
+    :data:`ABSENT_RETRY` seconds, quietly."""
+    delay = BACKOFF_START
+    absent = False
+    while True:
+        try:
+            listing = client.list(
+                kind,
+                namespace=namespace,
+                labels=dict(labels) if labels else None,
+                fields=dict(fields) if fields else None,
+            )
+            objects = {obj.metadata.name: obj async for obj in listing}
+            yield objects
+            version = listing.resourceVersion
+            async for event, obj in _watch(client, kind, namespace, labels, fields, version):
+                delay = BACKOFF_START  # the watch works again
+                if event == "BOOKMARK":
+                    continue  # only moves the version lightkube resumes from
+                if event == "DELETED":
+                    objects.pop(obj.metadata.name, None)
+                else:  # ADDED, MODIFIED
+                    objects[obj.metadata.name] = obj
                 yield objects
-                version = listing.resourceVersion
-                async for event, obj in _watch(client, kind, namespace, labels, fields, version):
-                    delay = BACKOFF_START  # the watch works again
-                    if event == "BOOKMARK":
-                        continue  # only moves the version lightkube resumes from
-                    if event == "DELETED":
-                        objects.pop(obj.metadata.name, None)
-                    else:  # ADDED, MODIFIED
-                        objects[obj.metadata.name] = obj
-                    yield objects
-            except Gone:
-                log.info("%s watch: resourceVersion expired (410 Gone); relisting", kind.__name__)
-            # Any other failure (transport, 5xx, a response lightkube cannot decode) ends this
-            # list/watch only; the task must survive it and relist.
-            except Exception as exc:
-                log.warning(
-                    "%s list/watch in %s failed (%s); retrying in %.1fs",
-                    kind.__name__,
-                    namespace,
-                    exc or type(exc).__name__,
-                    delay,
-                )
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, BACKOFF_MAX)
+        except Gone:
+            log.info("%s watch: resourceVersion expired (410 Gone); relisting", kind.__name__)
+        # Any other failure (transport, 5xx, a response lightkube cannot decode) ends this
+        # list/watch only; the task must survive it and relist.
+        except Exception as exc:
+            if _status(exc) == 404:
+                if not absent:
+                    absent = True
+                    log.info(
+                        "%s is not served in %s (CRD not installed); looking again every %gs",
+                        kind.__name__,
+                        namespace,
+                        ABSENT_RETRY,
+                    )
+                    yield {}
+                await asyncio.sleep(ABSENT_RETRY)
+                continue
+            log.warning(
+                "%s list/watch in %s failed (%s); retrying in %.1fs",
+                kind.__name__,
+                namespace,
+                exc or type(exc).__name__,
+                delay,
+            )
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, BACKOFF_MAX)
+
+
+def _status(exc: Exception) -> int | None:
+    """The HTTP status an error of lightkube's carries, if any."""
+    status = exc.status.code if isinstance(exc, ApiError) else None
+    if isinstance(exc, httpx2.HTTPStatusError) and exc.response is not None:
+        status = status or exc.response.status_code
+    return status
 
 
 def _raise(exc: Exception, _count: int) -> OnErrorResult:
     """lightkube on_error: every error ends the watch here; a 410 becomes :class:`Gone`."""
-    status = exc.status.code if isinstance(exc, ApiError) else None
-    if isinstance(exc, httpx2.HTTPStatusError) and exc.response is not None:
-        status = status or exc.response.status_code
-    if status == 410:
+    if _status(exc) == 410:
         raise Gone() from exc
     return OnErrorResult(OnErrorAction.RAISE)
 

@@ -55,6 +55,7 @@ from epp.request import (
     set_engine_priority,
     too_deep,
 )
+from epp.rewrite import explained
 from epp.router import Router
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, Recording, move_pick
@@ -326,9 +327,9 @@ class StreamHandler:
         trace = self.context.trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
-            config = self.context.generation.config
+            gen = self.context.generation
             request, data = parse_decoded(
-                headers.get(":path", ""), headers, body, config.request, config.models
+                headers.get(":path", ""), headers, body, gen.config.request, gen.models
             )
             rewritten = self._rewrite_body(request, data)
         except RequestError as error:
@@ -356,12 +357,14 @@ class StreamHandler:
 
     def _rewrite_body(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
         """The body to forward instead of the client's, or None to forward it unchanged: one
-        re-serialisation for every change epp makes (the engine priority, the usage option)."""
+        re-serialisation for every change epp makes (the model rewrite, the engine priority, the
+        usage option)."""
         policy = self.context.generation.config.request
+        renamed = self._rename(request, data)
         changed = policy.engine_priority and set_engine_priority(request, data)
         asked_usage = self._ask_for_usage(request, data)
         self.context.usage_expected = _expects_usage(request, data)
-        if not (changed or asked_usage):
+        if not (renamed or changed or asked_usage):
             return None
         try:
             rewritten = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
@@ -369,11 +372,21 @@ class StreamHandler:
             # Parsed near the recursion limit, the body is one level too deep to write back
             # from here. Without the usage option it can go as it is; not with a priority epp
             # had to set or overwrite (the client's own would reach the engine).
-            if changed:
+            if changed or renamed:
                 raise too_deep() from None
             return None
         self.context.strip_usage = asked_usage
         return rewritten
+
+    def _rename(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
+        """Apply the model rewrite that matches (epp.rewrite): the request is scheduled, and
+        the body forwarded, with the target model; True when ``data`` changed."""
+        rewrite = self.context.generation.rewrites.choose(request.model, request.session)
+        self.context.rewrite = rewrite
+        if rewrite is None or rewrite.target == request.model:
+            return False
+        request.model = data["model"] = rewrite.target
+        return True
 
     def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
         """With ``routing.inject_stream_usage``, a streaming request that did not ask for
@@ -430,6 +443,7 @@ class StreamHandler:
                 None if trace is None else trace.laps,
                 self._deferred,
                 self.context.generation,
+                self.context.rewrite,
             )
         except RequestError as error:
             if trace is not None:
@@ -452,13 +466,14 @@ class StreamHandler:
         )
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self.context.request = request
-        OBJECTIVE_REQUESTS.add((request.model, request.model))
+        OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
         scores = None
         routing = self.context.generation.config.routing
         if decision.scores is not None and routing.explains_to(self.context.headers.get(EXPLAIN)):
-            scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
+            shown = explained(decision.scores, self.context.rewrite)
+            scores = json.dumps(shown, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             size = sum(map(len, chunks))
             return (

@@ -12,20 +12,23 @@ class ResponseMetrics:
     name = "metrics"
 
     def finished(self, done: Finished) -> None:
-        record(done.outcome, done.request.model, done.objective)
+        record(done.outcome, done.request.model, done.objective, done.context.requested_label())
 
 
-def record(outcome: Outcome, model: str, objective: str) -> None:
+def record(outcome: Outcome, model: str, objective: str, requested: str | None = None) -> None:
+    """``model``: what served (the target of a rewrite); ``requested``: the model_name label,
+    what the client asked for (default ``model``)."""
     # Tallied (epp.tallied): each is a dict update, folded into the series when scraped.
-    labels = (model, model)
+    requested = model if requested is None else requested
+    labels = (requested, model)
     if outcome.served is not None:
         m.RESPONSES.add((outcome.served, m.response_code(outcome.status)))
     if outcome.status >= 400:
-        m.OBJECTIVE_ERRORS.add((model, model, str(outcome.status)))
+        m.OBJECTIVE_ERRORS.add((*labels, str(outcome.status)))
         m.RESULTS.add(("upstream_5xx" if outcome.status >= 500 else "upstream_4xx",))
         return
     if not outcome.complete:
-        m.OBJECTIVE_ERRORS.add((model, model, "incomplete"))
+        m.OBJECTIVE_ERRORS.add((*labels, "incomplete"))
         m.RESULTS.add(("incomplete",))
         return
     m.RESULTS.add(("ok",))

@@ -1,5 +1,6 @@
-"""A local HTTP server that speaks the Kubernetes API's list and watch protocol for Pods and
-InferencePools, so the discovery client can be tested without a kube-apiserver.
+"""A local HTTP server that speaks the Kubernetes API's list and watch protocol for Pods,
+InferencePools, InferenceModelRewrites and InferenceObjectives, so the discovery client can be
+tested without a kube-apiserver.
 
 What it implements, as the API documents it (API Concepts: "Efficient detection of changes",
 "Watch bookmarks", "410 Gone responses"):
@@ -41,9 +42,21 @@ from typing import Any, Literal
 from aiohttp import web
 
 POOL_GROUP = "inference.networking.k8s.io"
+REWRITE_GROUP = "llm-d.ai"
+OLD_GROUP = "inference.networking.x-k8s.io"
+# kind key (the plural, prefixed with the group for custom resources of several groups) ->
+# (apiVersion, Kind).
 KINDS = {
     "pods": ("v1", "Pod"),
     "inferencepools": (f"{POOL_GROUP}/v1", "InferencePool"),
+    **{
+        f"{group}/{plural}": (f"{group}/v1alpha2", kind)
+        for group in (REWRITE_GROUP, OLD_GROUP)
+        for plural, kind in (
+            ("inferencemodelrewrites", "InferenceModelRewrite"),
+            ("inferenceobjectives", "InferenceObjective"),
+        )
+    },
 }
 
 
@@ -107,9 +120,60 @@ def inference_pool(
     }
 
 
+def rewrites_kind(group: str = REWRITE_GROUP) -> str:
+    return f"{group}/inferencemodelrewrites"
+
+
+def objectives_kind(group: str = REWRITE_GROUP) -> str:
+    return f"{group}/inferenceobjectives"
+
+
+def model_rewrite(
+    name: str,
+    pool: str,
+    rules: list[dict[str, Any]],
+    group: str = REWRITE_GROUP,
+    namespace: str = "default",
+) -> dict[str, Any]:
+    """An InferenceModelRewrite (``rules`` as the CRD spells them)."""
+    return {
+        "apiVersion": f"{group}/v1alpha2",
+        "kind": "InferenceModelRewrite",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"poolRef": {"name": pool}, "rules": rules},
+    }
+
+
+def split(model: str | None, *targets: tuple[str, int]) -> dict[str, Any]:
+    """One rewrite rule: ``model`` matched exactly (None: every model), weighted targets."""
+    matches = [] if model is None else [{"model": {"type": "Exact", "value": model}}]
+    return {
+        "matches": matches,
+        "targets": [{"modelRewrite": t, "weight": w} for t, w in targets],
+    }
+
+
+def inference_objective(
+    name: str, pool: str, priority: int | None, group: str = REWRITE_GROUP
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"poolRef": {"name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {
+        "apiVersion": f"{group}/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
+
+
 class FakeKube:
-    def __init__(self, gone_as: Literal["status", "event"] = "status") -> None:
+    def __init__(
+        self, gone_as: Literal["status", "event"] = "status", absent: frozenset[str] = frozenset()
+    ) -> None:
         self.gone_as = gone_as
+        # Kinds not served (404, as for a CRD that is not installed).
+        self.absent = absent
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._rv = 1
         self._compacted = 0
@@ -143,11 +207,11 @@ class FakeKube:
         self._connected = asyncio.Event()
         self._connected.set()
         app = web.Application()
-        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._handle("pods"))
-        app.router.add_get(
-            f"/apis/{POOL_GROUP}/v1/namespaces/{{ns}}/inferencepools",
-            self._handle("inferencepools"),
-        )
+        for kind, (api_version, _) in KINDS.items():
+            plural = kind.rpartition("/")[2]
+            base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+            if kind not in self.absent:
+                app.router.add_get(f"{base}/namespaces/{{ns}}/{plural}", self._handle(kind))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -170,7 +234,7 @@ class FakeKube:
     # ---- controls (thread-safe)
 
     def put(self, kind: str, obj: dict[str, Any]) -> None:
-        """Create or replace an object (``kind``: pods | inferencepools)."""
+        """Create or replace an object (``kind``: a key of :data:`KINDS`)."""
         self._call(lambda: self._change(kind, obj["metadata"], copy.deepcopy(obj)))
 
     def delete(self, kind: str, name: str, namespace: str = "default") -> None:
@@ -251,6 +315,9 @@ class FakeKube:
         else:
             new["metadata"]["resourceVersion"] = str(self._rv)
             new["metadata"].setdefault("namespace", key[1])
+            # Kept from the first version, a second apart per creation (the API's resolution).
+            created = (old or new)["metadata"].get("creationTimestamp") or _timestamp(self._rv)
+            new["metadata"]["creationTimestamp"] = created
             self._objects[key] = new
         event = _Event(self._rv, kind, key[1], old, new)
         self._events.append(event)
@@ -340,6 +407,11 @@ class FakeKube:
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         return response
+
+
+def _timestamp(seconds: int) -> str:
+    hours, minutes = seconds // 3600 % 24, seconds // 60 % 60
+    return f"2026-01-01T{hours:02d}:{minutes:02d}:{seconds % 60:02d}Z"
 
 
 def _selector(text: str) -> dict[str, str]:

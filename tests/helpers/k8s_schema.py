@@ -29,6 +29,8 @@ CRD_FILES = {
         "InferencePool",
     ): "inference.networking.k8s.io_inferencepools.yaml",
     ("gateway.networking.k8s.io", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml",
+    ("llm-d.ai", "InferenceModelRewrite"): "llm-d.ai_inferencemodelrewrites.yaml",
+    ("llm-d.ai", "InferenceObjective"): "llm-d.ai_inferenceobjectives.yaml",
 }
 
 

@@ -157,7 +157,9 @@ def test_epp_deployment_is_highly_available(overlay: list[dict[str, Any]]) -> No
     assert config["store"]["backend"] == "redis"
 
 
-def test_rbac_reads_pods_and_pools_only(overlay: list[dict[str, Any]]) -> None:
+def test_rbac_reads_pods_pools_rewrites_and_objectives_only(
+    overlay: list[dict[str, Any]],
+) -> None:
     (role,) = by_kind(overlay, "Role")
     granted = {
         (group, resource, verb)
@@ -166,10 +168,14 @@ def test_rbac_reads_pods_and_pools_only(overlay: list[dict[str, Any]]) -> None:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+    read = [("", "pods"), ("inference.networking.k8s.io", "inferencepools")]
+    read += [
+        (group, resource)
+        for group in ("llm-d.ai", "inference.networking.x-k8s.io")
+        for resource in ("inferencemodelrewrites", "inferenceobjectives")
+    ]
     assert granted == {
-        (group, resource, verb)
-        for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"))
-        for verb in ("get", "list", "watch")
+        (group, resource, verb) for group, resource in read for verb in ("get", "list", "watch")
     }
     assert not list(by_kind(overlay, "ClusterRole"))
     (binding,) = by_kind(overlay, "RoleBinding")
