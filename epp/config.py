@@ -11,7 +11,7 @@ Shape (every section optional except ``models`` and ``pools``)::
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
-               tls: {cert, key, client_ca}, debug_access: local|any, debug_token}
+               tls: {cert, key, client_ca}, debug_access: local|loopback|any, debug_token}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage,
                learned_capacity}
@@ -121,6 +121,9 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
 ]
 
 
+DEBUG_ACCESS = ("local", "loopback", "any")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "0.0.0.0"
@@ -134,9 +137,10 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     # TLS (mutual with a client CA) on all three listeners; None: plaintext.
     tls: ServerTls | None = None
-    # Who may read /debug/* on the metrics port: loopback peers only ("local": kubectl
-    # port-forward, podman exec, the host itself), or anyone who reaches the port ("any").
-    # A caller with "Authorization: Bearer <debug_token>" is let in from anywhere.
+    # Who may read /debug/* on the metrics port (epp/admin.py): "local" = loopback peers while
+    # no debug_token is set, then only callers sending "Authorization: Bearer <debug_token>"
+    # (loopback ones too: a mesh sidecar forwards from loopback); "loopback" = loopback peers
+    # always, others with the token (local development); "any" = every caller.
     debug_access: str = "local"
     debug_token: str = ""
 
@@ -177,15 +181,15 @@ class RoutingConfig:
         matches = [p for p in self.passthrough if path == p or path.startswith(p.rstrip("/") + "/")]
         return self.passthrough[max(matches, key=len)] if matches else None
 
-    def explains_to(self, token: str | None) -> bool:
-        """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
+    def explains_to(self, token: str | None, debug_token: str = "") -> bool:
+        """Whether a caller that sent ``token`` in x-epp-explain may see the scores: with
+        ``explain_token`` (else the server's ``debug_token``) set, only its holders."""
         if not self.explain:
             return False
-        if not self.explain_token:
+        expected = self.explain_token or debug_token
+        if not expected:
             return True
-        return token is not None and hmac.compare_digest(
-            token.encode(), self.explain_token.encode()
-        )
+        return token is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,8 +575,8 @@ def _server(node: _Node) -> ServerConfig:
     )
     d = ServerConfig()
     access = node.get("debug_access", str, d.debug_access)
-    if access not in ("local", "any"):
-        node.at("debug_access").report(f"must be 'local' or 'any', got {access!r}")
+    if access not in DEBUG_ACCESS:
+        node.at("debug_access").report(f"must be one of {', '.join(DEBUG_ACCESS)}, got {access!r}")
         access = d.debug_access
     level = node.get("log_level", str, d.log_level)
     if level.lower() not in ("debug", "info", "warning", "error"):

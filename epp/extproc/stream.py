@@ -502,8 +502,10 @@ class StreamHandler:
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self._headers, _REMOVED)
         scores = None
-        routing = self._router.config.routing
-        if decision.scores is not None and routing.explains_to(self._headers.get(EXPLAIN)):
+        config = self._router.config
+        if decision.scores is not None and config.routing.explains_to(
+            self._headers.get(EXPLAIN), config.server.debug_token
+        ):
             scores = json.dumps(decision.scores, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
             size = sum(map(len, chunks))
