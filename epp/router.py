@@ -121,6 +121,10 @@ class Router:
         self.flow.limits = config.flow_control.limits
         self.flow.use_group = config.flow_control.scope == "group"
         self.budgets.policy = config.budgets
+        self.flow.bound.configure(
+            [*config.budgets.tenants, *(k.tenant for k in config.request.api_keys.values())],
+            [*config.request.objectives.values(), *config.flow_control.limits.bands],
+        )
 
     @property
     def profile(self) -> Profile:
@@ -142,6 +146,10 @@ class Router:
         :class:`~epp.errors.RequestError` when either refuses it. Route right after this
         returns (no await in between), so the dispatcher sees the request in flight. Returns
         the budget charge (None: the tenant has no budget), for the response's usage."""
+        # Bounded first: budgets, queues and the group's view keep state per flow and band.
+        now = time.monotonic()
+        request.fairness_id = self.flow.bound.flow(request.fairness_id, now)
+        request.priority = self.flow.bound.priority(request.priority, now)
         charge = self._charge(request)
         if (
             self._config.flow_control.mode == "queue"
