@@ -267,7 +267,6 @@ EJECTION_REASONS = (
     "latency",
     "probation",
     "trial-5xx",
-    "trial-incomplete",
     "trial-retried",
     "trial-latency",
 )
