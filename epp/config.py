@@ -11,7 +11,8 @@ Shape (every section optional except ``models`` and ``pools``)::
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
-               tls: {cert, key, client_ca}, debug_access: local|loopback|any, debug_token}
+               tls: {cert, key, client_ca}, debug_access: local|loopback|any, debug_token,
+               max_buffered_bytes}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain, explain_token, inject_stream_usage,
                learned_capacity}
@@ -143,6 +144,10 @@ class ServerConfig:
     # always, others with the token (local development); "any" = every caller.
     debug_access: str = "local"
     debug_token: str = ""
+    # Request-body bytes the process may hold at once (received, not yet routed: being read,
+    # or waiting in flow control); a body that does not fit is a 503 with Retry-After, not an
+    # out-of-memory kill. 0: no budget. Peak memory is a few times this (parsing copies).
+    max_buffered_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,6 +577,7 @@ def _server(node: _Node) -> ServerConfig:
         "tls",
         "debug_access",
         "debug_token",
+        "max_buffered_bytes",
     )
     d = ServerConfig()
     access = node.get("debug_access", str, d.debug_access)
@@ -593,6 +599,7 @@ def _server(node: _Node) -> ServerConfig:
         tls=_server_tls(node.at("tls")),
         debug_access=access,
         debug_token=node.get("debug_token", str, d.debug_token),
+        max_buffered_bytes=node.integer("max_buffered_bytes", d.max_buffered_bytes, ge=0),
     )
     node.errors.extend(server_problems(server, node.source))
     return server

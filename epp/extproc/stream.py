@@ -37,7 +37,7 @@ from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.admission.budgets import Charge
 from epp.errors import RequestError
-from epp.extproc import responses
+from epp.extproc import buffered, responses
 from epp.extproc.passive_health import judge, judge_retry
 from epp.extproc.response_metrics import record
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, Outcome, ResponseObserver
@@ -103,6 +103,7 @@ class StreamHandler:
         "_done",
         "_full_duplex",
         "_headers",
+        "_held",
         "_observer",
         "_passing",
         "_request",
@@ -128,6 +129,8 @@ class StreamHandler:
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._body_size = 0
+        # Body bytes counted in the process's buffered total (epp.extproc.buffered).
+        self._held = 0
         self._full_duplex = False
         self._response_full_duplex = False
         self._subset: list[str] | None = None
@@ -203,6 +206,10 @@ class StreamHandler:
             self._done = True
             return (self._header_only(),)
         refusal = check_headers(self._headers, self._router.config.routing.max_body_bytes)
+        budget = self._router.config.server.max_buffered_bytes
+        declared = self._headers.get("content-length", "")
+        if refusal is None and declared.isdigit() and not buffered.fits(int(declared), budget):
+            refusal = buffered.overloaded(budget)
         if refusal is not None:
             self._done = True
             return (self._refuse(refusal),)
@@ -222,17 +229,30 @@ class StreamHandler:
         # Each read of a bytes field copies it out of the message: read the chunk once.
         chunk = body.body
         if chunk:
-            self._body.append(chunk)
             self._body_size += len(chunk)
             limit = self._router.config.routing.max_body_bytes
             if self._body_size > limit:
-                self._done = True
-                self._body.clear()
-                return (self._refuse(errors.body_too_large(self._body_size, limit)),)
+                return self._drop_body(errors.body_too_large(self._body_size, limit))
+            budget = self._router.config.server.max_buffered_bytes
+            if not buffered.take(len(chunk), budget):
+                return self._drop_body(buffered.overloaded(budget))
+            self._held += len(chunk)
+            self._body.append(chunk)
         if not body.end_of_stream:
             # BUFFERED_PARTIAL/STREAMED chunks are acknowledged; full duplex expects no answer.
             return () if self._full_duplex else (responses.CONTINUE_REQUEST_BODY,)
         return self._complete()
+
+    def _drop_body(self, error: RequestError) -> Sequence[Response]:
+        self._done = True
+        self._body.clear()
+        self._release()
+        return (self._refuse(error),)
+
+    def _release(self) -> None:
+        """Give the body's bytes back to the process's buffered total."""
+        buffered.give(self._held)
+        self._held = 0
 
     def _on_trailers(self) -> Sequence[Response]:
         # Full duplex with trailers: the body ended without an end_of_stream chunk.
@@ -301,6 +321,8 @@ class StreamHandler:
         once the answers of a message are sent; idempotent."""
         if self._response_ended is not None:
             self.close(complete=True, at=self._response_ended)
+        if self._held and self._done and self.pending is None:
+            self._release()  # the routing answer (or refusal) carrying the body is out
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
@@ -318,6 +340,7 @@ class StreamHandler:
         """The response ended (``complete``, ``at`` the clock's time, default now) or its
         stream closed: record what it showed. Idempotent; the servicer calls it when the stream
         ends for any reason."""
+        self._release()  # the stream ended: whatever it still held is gone with it
         observer = self._observer
         request = self._request
         if observer is None or request is None:
@@ -581,7 +604,7 @@ class StreamHandler:
         if self._trace is not None:
             self._trace.answered(error.status, error.message)
         REQUESTS.add(("", str(error.status)))
-        RESULTS.add((refusal_reason(error.status),))
+        RESULTS.add((refusal_reason(error.status, error.code),))
         log.info("refused %s %s: %s", error.status, self._headers.get(":path", ""), error.message)
         return responses.error_response(error)
 
