@@ -147,6 +147,22 @@ async def test_debug_answers_loopback_without_a_token_and_token_holders_with_one
         assert (await client.get("/metrics")).status == 200
 
 
+def test_the_compose_stack_shows_scores_and_debug_to_this_host_only() -> None:
+    """The shipped compose configuration sends no scores to clients (Envoy's port is
+    published on every interface), and opens /debug only on ports published on loopback."""
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "deploy/compose/epp.yaml")
+    routing, server = config.routing, config.server
+    assert not routing.explains_to(None, server.debug_token)
+    if server.debug_access == "any":
+        compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+        epps = [s for name, s in compose["services"].items() if name.startswith("epp")]
+        assert epps
+        for service in epps:
+            for port in service.get("ports", []):
+                assert str(port).startswith("127.0.0.1:"), port
+
+
 # ---------------------------------------------------------------------------- explain output
 
 
