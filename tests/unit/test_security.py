@@ -114,6 +114,15 @@ async def _status(app: web.Application, remote: str, **headers: str) -> int:
     return response.status
 
 
+def test_debug_access_and_the_buffered_budget_are_checked() -> None:
+    server = parse_config({**BASE, "server": {"debug_access": "loopback"}}).server
+    assert (server.debug_access, server.max_buffered_bytes) == ("loopback", 256 * 1024 * 1024)
+    (error,) = _errors(server={"debug_access": "mesh"})
+    assert "server.debug_access: must be one of local, loopback, any, got 'mesh'" in error
+    (error,) = _errors(server={"max_buffered_bytes": -1})
+    assert "server.max_buffered_bytes" in error
+
+
 async def test_debug_answers_loopback_without_a_token_and_token_holders_with_one() -> None:
     router = await make_router()
     local = build_app(router, ServerConfig())
