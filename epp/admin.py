@@ -10,10 +10,17 @@
   level is debug. Clients can send their own ``x-request-id`` to find their request.
 
 ``/metrics`` answers whoever reaches the port (Prometheus scrapes it from elsewhere). The
-``/debug`` views name every replica, its load and recent requests' ids, so they answer only
-loopback peers (``server.debug_access: local``, the default: ``kubectl port-forward``,
-``podman exec``, the host itself) or callers with ``Authorization: Bearer <server.debug_token>``;
-others get 403 with what to do. ``debug_access: any`` opens them to every caller.
+``/debug`` views name every replica, its load and recent requests' ids, so who may read them
+is ``server.debug_access`` (docs/security.md):
+
+- ``local`` (the default): without ``server.debug_token``, loopback peers only (``kubectl
+  port-forward``, ``podman exec``, the host itself); with a token, every caller must send
+  ``Authorization: Bearer <token>``, loopback ones too (a mesh sidecar forwards from loopback,
+  so a loopback address proves nothing once a token says who may read);
+- ``loopback``: loopback peers without the token, others with it (local development);
+- ``any``: every caller.
+
+Others get 403 with what to do.
 """
 
 from __future__ import annotations
@@ -87,26 +94,38 @@ def build_app(router: Router, server: ServerConfig | None = None) -> web.Applica
 def _debug_guard(server: ServerConfig) -> Middleware:
     expected = f"Bearer {server.debug_token}".encode() if server.debug_token else None
 
+    # A loopback peer passes without the token in "loopback" mode, and in "local" mode only
+    # while no token is set.
+    loopback_passes = server.debug_access == "loopback" or (
+        server.debug_access == "local" and expected is None
+    )
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         sent = request.headers.get("Authorization", "").encode()
         if (
             not request.path.startswith("/debug")
             or server.debug_access == "any"
-            or _loopback(request.remote)
+            or (loopback_passes and _loopback(request.remote))
             or (expected is not None and hmac.compare_digest(sent, expected))
         ):
             return await handler(request)
-        return web.json_response(
-            {
-                "error": "/debug answers only local callers: use kubectl port-forward or run "
-                "curl on the host, send 'Authorization: Bearer <server.debug_token>', or set "
-                "server.debug_access: any (docs/security.md)"
-            },
-            status=403,
-        )
+        return web.json_response({"error": _refusal(server, expected is not None)}, status=403)
 
     return guard
+
+
+def _refusal(server: ServerConfig, token_set: bool) -> str:
+    if token_set and server.debug_access == "local":
+        return (
+            "/debug needs 'Authorization: Bearer <server.debug_token>' from every caller, "
+            "local ones too (docs/security.md)"
+        )
+    return (
+        "/debug answers only local callers: use kubectl port-forward or run curl on the host, "
+        "send 'Authorization: Bearer <server.debug_token>' (with a token set), or set "
+        "server.debug_access: any (docs/security.md)"
+    )
 
 
 def _loopback(remote: str | None) -> bool:

@@ -12,7 +12,8 @@ Shape (every section optional except ``models`` and ``pools``)::
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
     server:   {host, extproc_port, health_port, metrics_port, log_level, drain_seconds, ...,
-               tls: {cert, key, client_ca}, debug_access: local|any, debug_token | debug_token_file}
+               tls: {cert, key, client_ca}, debug_access: local|loopback|any,
+               debug_token | debug_token_file, max_buffered_bytes}
     scrape:   {interval, timeout, failure_threshold}
     routing:  {fallbacks, max_body_bytes, explain, explain_token | explain_token_file,
                inject_stream_usage, learned_capacity}
@@ -142,6 +143,9 @@ DEFAULT_PROFILE: list[dict[str, Any]] = [
 ]
 
 
+DEBUG_ACCESS = ("local", "loopback", "any")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "0.0.0.0"
@@ -155,11 +159,16 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     # TLS (mutual with a client CA) on all three listeners; None: plaintext.
     tls: ServerTls | None = None
-    # Who may read /debug/* on the metrics port: loopback peers only ("local": kubectl
-    # port-forward, podman exec, the host itself), or anyone who reaches the port ("any").
-    # A caller with "Authorization: Bearer <debug_token>" is let in from anywhere.
+    # Who may read /debug/* on the metrics port (epp/admin.py): "local" = loopback peers while
+    # no debug_token is set, then only callers sending "Authorization: Bearer <debug_token>"
+    # (loopback ones too: a mesh sidecar forwards from loopback); "loopback" = loopback peers
+    # always, others with the token (local development); "any" = every caller.
     debug_access: str = "local"
     debug_token: str = field(default="", repr=False)
+    # Request-body bytes the process may hold at once (received, not yet routed: being read,
+    # or waiting in flow control); a body that does not fit is a 503 with Retry-After, not an
+    # out-of-memory kill. 0: no budget. Peak memory is a few times this (parsing copies).
+    max_buffered_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,15 +207,15 @@ class RoutingConfig:
         matches = [p for p in self.passthrough if path == p or path.startswith(p.rstrip("/") + "/")]
         return self.passthrough[max(matches, key=len)] if matches else None
 
-    def explains_to(self, token: str | None) -> bool:
-        """Whether a caller that sent ``token`` in x-epp-explain may see the scores."""
+    def explains_to(self, token: str | None, debug_token: str = "") -> bool:
+        """Whether a caller that sent ``token`` in x-epp-explain may see the scores: with
+        ``explain_token`` (else the server's ``debug_token``) set, only its holders."""
         if not self.explain:
             return False
-        if not self.explain_token:
+        expected = self.explain_token or debug_token
+        if not expected:
             return True
-        return token is not None and hmac.compare_digest(
-            token.encode(), self.explain_token.encode()
-        )
+        return token is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -653,11 +662,12 @@ def _server(node: _Node) -> ServerConfig:
         "debug_access",
         "debug_token",
         "debug_token_file",
+        "max_buffered_bytes",
     )
     d = ServerConfig()
     access = node.get("debug_access", str, d.debug_access)
-    if access not in ("local", "any"):
-        node.at("debug_access").report(f"must be 'local' or 'any', got {access!r}")
+    if access not in DEBUG_ACCESS:
+        node.at("debug_access").report(f"must be one of {', '.join(DEBUG_ACCESS)}, got {access!r}")
         access = d.debug_access
     level = node.get("log_level", str, d.log_level)
     if level.lower() not in ("debug", "info", "warning", "error"):
@@ -674,6 +684,7 @@ def _server(node: _Node) -> ServerConfig:
         tls=_server_tls(node.at("tls")),
         debug_access=access,
         debug_token=node.secret("debug_token"),
+        max_buffered_bytes=node.integer("max_buffered_bytes", d.max_buffered_bytes, ge=0),
     )
     node.errors.extend(server_problems(server, node.source))
     return server

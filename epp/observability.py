@@ -274,7 +274,6 @@ EJECTION_REASONS = (
     "latency",
     "probation",
     "trial-5xx",
-    "trial-incomplete",
     "trial-retried",
     "trial-latency",
 )
@@ -296,7 +295,7 @@ def forget_endpoint_health(pool: str, endpoint: str) -> None:
 RESULTS = TalliedCounter(
     "epp_request_results_total",
     "Every request epp saw, by how it ended: ok, a refusal epp answered itself (bad_request, "
-    "model_not_found, too_large, rate_limited, no_endpoint, refused_other) or a routed "
+    "model_not_found, too_large, rate_limited, no_endpoint, overloaded, refused_other) or a routed "
     "request's failed response (upstream_4xx, upstream_5xx, incomplete).",
     ["reason"],
 )
@@ -308,11 +307,21 @@ REFUSAL_REASONS = {
     429: "rate_limited",
     503: "no_endpoint",
 }
+# Refusals told apart by their error code rather than their status.
+REFUSAL_CODES = {"buffer_full": "overloaded"}
 
 
-def refusal_reason(status: int) -> str:
-    """The :data:`RESULTS` reason of a request epp refused with ``status``."""
-    return REFUSAL_REASONS.get(status, "refused_other")
+def refusal_reason(status: int, code: str | None = None) -> str:
+    """The :data:`RESULTS` reason of a request epp refused with ``status`` (and ``code``)."""
+    by_code = REFUSAL_CODES.get(code or "")
+    return by_code or REFUSAL_REASONS.get(status, "refused_other")
+
+
+BUFFERED_BYTES = Gauge(
+    "epp_buffered_request_bytes",
+    "Request-body bytes this process holds (received, routing answer not yet sent), against "
+    "server.max_buffered_bytes.",
+)
 
 
 LATENCY_TARGETS = TalliedCounter(

@@ -14,6 +14,8 @@ separator declared once below, so they cannot drift apart or from the engine's.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
@@ -35,6 +37,13 @@ from epp.errors import (
 )
 
 Api = Literal["completions", "chat", "responses", "embeddings"]
+
+# A session header longer than this is refused (400): ids are UUIDs or short tokens, and a
+# longer one would be forwarded to the replica, which may refuse it less clearly.
+MAX_SESSION_BYTES = 1024
+# Sessions are kept, and shipped to the other epps, as this many bytes of BLAKE2b of the
+# header (in hex): a table entry and a picks-stream item have the same size whatever was sent.
+SESSION_DIGEST_BYTES = 16
 
 # The OpenAI paths epp routes, matched exactly (the query string aside): a path that only ends
 # like one (``/v1/../admin/../v1/chat/completions``, ``/x/v1/completions``, a trailing slash)
@@ -307,7 +316,7 @@ def parse_decoded(
         priority=priority,
         fairness_id=fairness_id,
         objective=objective,
-        session=headers.get(policy.session_header) or None,
+        session=_session(headers, policy.session_header),
         body_size=len(body),
         headers=headers,
     )
@@ -556,6 +565,26 @@ def _identity(headers: Mapping[str, str], policy: RequestPolicy) -> tuple[int, s
         headers.get(policy.fairness_header) if policy.trusts(policy.fairness_header) else None
     )
     return _priority(headers, policy, objective), fairness_id or wire.DEFAULT_FLOW, objective
+
+
+def _session(headers: Mapping[str, str], name: str) -> str | None:
+    """The request's session key: a fixed-size digest of its session header (None without
+    one); a header over :data:`MAX_SESSION_BYTES` is a 400."""
+    raw = headers.get(name)
+    if not raw:
+        return None
+    encoded = raw.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_SESSION_BYTES:
+        raise bad_request(
+            f"Header '{name}' must be at most {MAX_SESSION_BYTES} bytes, got {len(encoded)}.",
+            name,
+        )
+    return session_key(encoded)
+
+
+def session_key(raw: bytes) -> str:
+    """What the session tables store for a session header's bytes."""
+    return hashlib.blake2b(raw, digest_size=SESSION_DIGEST_BYTES).hexdigest()
 
 
 def _priority(headers: Mapping[str, str], policy: RequestPolicy, objective: str) -> int:

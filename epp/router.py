@@ -120,6 +120,10 @@ class Router:
         self.flow.limits = config.flow_control.limits
         self.flow.use_group = config.flow_control.scope == "group"
         self.budgets.policy = config.budgets
+        self.flow.bound.configure(
+            [*config.budgets.tenants, *(k.tenant for k in config.request.api_keys.values())],
+            [*config.request.objectives.values(), *config.flow_control.limits.bands],
+        )
 
     @property
     def cluster(self) -> ClusterPolicy:
@@ -157,6 +161,10 @@ class Router:
         the budget charge (None: the tenant has no budget), for the response's usage. ``gen``:
         the generation the request's stream captured (default: the current one)."""
         gen = gen or self._gen
+        # Bounded first: budgets, queues and the group's view keep state per flow and band.
+        now = time.monotonic()
+        request.fairness_id = self.flow.bound.flow(request.fairness_id, now)
+        request.priority = self.flow.bound.priority(request.priority, now)
         charge = self._charge(request, gen.config)
         if (
             gen.config.flow_control.mode == "queue"

@@ -283,10 +283,12 @@ class Server:
         self.scraper.set_tls(
             {pool: (client_context(t), t.server_name) for pool, t in config.metrics_tls.items()}
         )
-        if config.routing.explain and not config.routing.explain_token:
+        if config.routing.explain and not (
+            config.routing.explain_token or config.server.debug_token
+        ):
             log.warning(
-                "routing.explain is on without routing.explain_token: every client receives "
-                "x-epp-scores (docs/security.md)"
+                "routing.explain is on without routing.explain_token or server.debug_token: "
+                "every client receives x-epp-scores (docs/security.md)"
             )
 
     async def reload(self) -> bool:

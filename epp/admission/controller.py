@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from epp.admission.flow_queue import Dropped, FlowQueue, QueueLimits
+from epp.admission.flows import FlowBound
 from epp.errors import RequestError
 from epp.observability import FLOW_DROPPED, FLOW_QUEUE_DURATION, FLOW_QUEUE_SIZE
 from epp.state.group_queues import GroupQueues
@@ -55,6 +56,11 @@ class FlowController:
         self._group = group
         self.use_group = True
         self._queues: dict[str, FlowQueue[_Waiter]] = {}
+        # Which fairness ids and priorities requests are kept under (set before admit), and
+        # the queue-size gauge's live label sets: a set that empties is removed, and the
+        # labels name configured tenants and priorities only (epp.admission.flows).
+        self.bound = FlowBound()
+        self._held: dict[tuple[str, str, str], int] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -98,7 +104,8 @@ class FlowController:
             raise _refusal(refused)
         for d in dropped:  # sheddable entries this arrival displaced
             _refuse(key, d)
-        FLOW_QUEUE_SIZE.labels(key, str(priority), flow).inc()
+        labels = (key, self.bound.priority_label(priority), self.bound.flow_label(flow))
+        self._count(labels, 1)
         if self._group is not None:
             self._group.queued(key, priority, flow, 1, started)
         self._ensure_running()
@@ -109,12 +116,21 @@ class FlowController:
             queue.remove(entry)
             raise
         finally:
-            FLOW_QUEUE_SIZE.labels(key, str(priority), flow).dec()
+            self._count(labels, -1)
             if self._group is not None:
                 self._group.queued(key, priority, flow, -1, self._clock())
-            FLOW_QUEUE_DURATION.labels(key, str(priority), _outcome(waiter)).observe(
+            FLOW_QUEUE_DURATION.labels(key, labels[1], _outcome(waiter)).observe(
                 self._clock() - started
             )
+
+    def _count(self, labels: tuple[str, str, str], change: int) -> None:
+        held = self._held.get(labels, 0) + change
+        if held:
+            self._held[labels] = held
+            FLOW_QUEUE_SIZE.labels(*labels).set(held)
+        else:
+            del self._held[labels]
+            FLOW_QUEUE_SIZE.remove(*labels)
 
     def wake(self) -> None:
         """A request finished: room may have freed, re-check now rather than at the next tick."""

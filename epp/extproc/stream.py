@@ -36,7 +36,7 @@ from typing import Any
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.errors import RequestError
-from epp.extproc import responses
+from epp.extproc import buffered, responses
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
 from epp.hooks.passive_health import judge_retry
 from epp.lifecycle import Finished, Outcome, RequestContext
@@ -101,6 +101,7 @@ class StreamHandler:
         "_deferred",
         "_done",
         "_full_duplex",
+        "_held",
         "_observer",
         "_passing",
         "_response_ended",
@@ -119,6 +120,8 @@ class StreamHandler:
         self.context = RequestContext(router.generation)
         self._body: list[bytes] = []
         self._body_size = 0
+        # Body bytes counted in the process's buffered total (epp.extproc.buffered).
+        self._held = 0
         self._full_duplex = False
         self._response_full_duplex = False
         self._done = False
@@ -176,6 +179,10 @@ class StreamHandler:
             self._done = True
             return (self._header_only(),)
         refusal = check_headers(headers, routing.max_body_bytes)
+        budget = context.generation.config.server.max_buffered_bytes
+        declared = headers.get("content-length", "")
+        if refusal is None and declared.isdigit() and not buffered.fits(int(declared), budget):
+            refusal = buffered.overloaded(budget)
         if refusal is not None:
             self._done = True
             return (self._refuse(refusal),)
@@ -195,17 +202,30 @@ class StreamHandler:
         # Each read of a bytes field copies it out of the message: read the chunk once.
         chunk = body.body
         if chunk:
-            self._body.append(chunk)
             self._body_size += len(chunk)
             limit = self.context.generation.config.routing.max_body_bytes
             if self._body_size > limit:
-                self._done = True
-                self._body.clear()
-                return (self._refuse(errors.body_too_large(self._body_size, limit)),)
+                return self._drop_body(errors.body_too_large(self._body_size, limit))
+            budget = self.context.generation.config.server.max_buffered_bytes
+            if not buffered.take(len(chunk), budget):
+                return self._drop_body(buffered.overloaded(budget))
+            self._held += len(chunk)
+            self._body.append(chunk)
         if not body.end_of_stream:
             # BUFFERED_PARTIAL/STREAMED chunks are acknowledged; full duplex expects no answer.
             return () if self._full_duplex else (responses.CONTINUE_REQUEST_BODY,)
         return self._complete()
+
+    def _drop_body(self, error: RequestError) -> Sequence[Response]:
+        self._done = True
+        self._body.clear()
+        self._release()
+        return (self._refuse(error),)
+
+    def _release(self) -> None:
+        """Give the body's bytes back to the process's buffered total."""
+        buffered.give(self._held)
+        self._held = 0
 
     def _on_trailers(self) -> Sequence[Response]:
         # Full duplex with trailers: the body ended without an end_of_stream chunk.
@@ -278,6 +298,8 @@ class StreamHandler:
         once the answers of a message are sent; idempotent."""
         if self._response_ended is not None:
             self.close(complete=True, at=self._response_ended)
+        if self._held and self._done and self.pending is None:
+            self._release()  # the routing answer (or refusal) carrying the body is out
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
@@ -295,6 +317,7 @@ class StreamHandler:
         """The response ended (``complete``, ``at`` the clock's time, default now) or its
         stream closed: record what it showed. Idempotent; the servicer calls it when the stream
         ends for any reason."""
+        self._release()  # the stream ended: whatever it still held is gone with it
         observer = self._observer
         request = self.context.request
         if observer is None or request is None:
@@ -470,8 +493,10 @@ class StreamHandler:
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
         scores = None
-        routing = self.context.generation.config.routing
-        if decision.scores is not None and routing.explains_to(self.context.headers.get(EXPLAIN)):
+        config = self.context.generation.config
+        if decision.scores is not None and config.routing.explains_to(
+            self.context.headers.get(EXPLAIN), config.server.debug_token
+        ):
             shown = explained(decision.scores, self.context.rewrite)
             scores = json.dumps(shown, separators=(",", ":"), sort_keys=True)
         if self._full_duplex:
@@ -548,7 +573,7 @@ class StreamHandler:
         if self.context.trace is not None:
             self.context.trace.answered(error.status, error.message)
         REQUESTS.add(("", str(error.status)))
-        RESULTS.add((refusal_reason(error.status),))
+        RESULTS.add((refusal_reason(error.status, error.code),))
         path = self.context.headers.get(":path", "")
         log.info("refused %s %s: %s", error.status, path, error.message)
         return responses.error_response(error)

@@ -2,9 +2,13 @@
 
 - A status >= 500 is a failure (``5xx``): the replica's own, or Envoy's for an upstream reset
   or timeout (503, 504) on the attempt that answered.
-- A response that ended before it was complete is a failure (``incomplete``): an upstream that
-  reset mid-stream. A client that hangs up mid-response looks the same to epp; the error-rate
-  window and the consecutive count need several such in a row or a large share to eject.
+- A response that ended before it was complete says nothing about the replica: a client that
+  hangs up mid-response and an upstream that resets mid-stream end the ext_proc stream the
+  same way (Envoy half-closes or cancels it; which one follows timing, not the cause), and
+  counted as failures, any client could eject healthy replicas by abandoning streams. A reset
+  before the response began is Envoy's 503 (a ``5xx`` failure); a replica that crashes fails
+  its scrapes and its next requests. A half-open trial that ends so is no verdict: the next
+  trial may go.
 - A retry is a failure of the endpoint epp picked (``retried``): the client's answer came from
   the fallback, and the failed attempt is otherwise invisible to epp.
 - Anything else is a success; when it is complete and below 400 its latency (time to first
@@ -81,7 +85,7 @@ def judge(
     if outcome.status >= 500:
         tracker.observe(endpoint, pool, members, True, None, now, "5xx")
     elif not outcome.complete:
-        tracker.observe(endpoint, pool, members, True, None, now, "incomplete")
+        tracker.inconclusive(endpoint, now)
     else:
         latency = None
         if outcome.status < 400:

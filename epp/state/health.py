@@ -4,11 +4,13 @@ A replica whose ``/metrics`` page looks fine can still answer 5xx, reset its con
 stall; the scrape-based readiness never sees it. epp sees every response on the response path
 (:mod:`epp.extproc.response_stream`), so it judges each endpoint from what it served:
 
-- **Failures**: a 5xx, a response that ended before it was complete (reset, timeout), and a
-  retry (Envoy moved the request off the picked endpoint: that attempt failed, and the 200 the
-  client got came from the fallback). ``consecutive_failures`` in a row, or an error share of at
-  least ``error_rate`` over the last ``window_seconds`` with at least ``min_requests`` answers,
-  eject the endpoint.
+- **Failures**: a 5xx (the replica's, or Envoy's for a reset or timeout before the response
+  began) and a retry (Envoy moved the request off the picked endpoint: that attempt failed,
+  and the 200 the client got came from the fallback). A response cut short after it began is
+  no failure: epp cannot tell a client that hung up from a replica that reset
+  (:mod:`epp.extproc.passive_health`), and clients must not be able to eject replicas.
+  ``consecutive_failures`` in a row, or an error share of at least ``error_rate`` over the
+  last ``window_seconds`` with at least ``min_requests`` answers, eject the endpoint.
 - **Latency outliers**: the median latency (time to first token when streamed, the whole
   response otherwise) of the last ``latency_samples`` samples within the window, above
   ``latency_factor`` times the median of the pool's other endpoints (each their own median)
@@ -34,6 +36,8 @@ never its last endpoint.
 What the tracker decides is shared (:meth:`take_recent`/:meth:`apply`, shipped by
 :mod:`epp.state.shared.picks`) as verdicts with absolute wall-clock times, so every process of
 a group excludes an endpoint any of them ejected; without Redis each process decides alone.
+Another process's ejection is under this process's ejection cap like its own: a verdict that
+would eject more than ``max_ejection_percent`` of a pool here is not applied.
 Nothing here does I/O or reads a clock: callers pass ``now`` (``time.time()``).
 """
 
@@ -160,15 +164,25 @@ class HealthTracker:
         self.config = config or HealthConfig()
         self._endpoints: dict[str, EndpointHealth] = {}
         self._recent: deque[Verdict] = deque(maxlen=_RECENT_LIMIT)
+        # Each pool's endpoints, for the ejection cap of verdicts from other processes (which
+        # name the pool only); from :meth:`configure` when it is given the pool of each.
+        self._pools: dict[str, tuple[str, ...]] = {}
 
     def state(self, endpoint: str) -> EndpointHealth | None:
         return self._endpoints.get(endpoint)
 
-    def configure(self, config: HealthConfig, endpoints: Iterable[str]) -> None:
+    def configure(self, config: HealthConfig, endpoints: Iterable[str] | Mapping[str, str]) -> None:
         """Apply a (re)loaded ``health`` section and forget endpoints that left (their state
-        and metric series); with ``enabled: false`` every circuit closes."""
+        and metric series); with ``enabled: false`` every circuit closes. ``endpoints``: the
+        addresses, or each address's pool."""
         self.config = config
         keep = set(endpoints)
+        # Without each address's pool, the endpoints count as one pool.
+        owner = endpoints if isinstance(endpoints, Mapping) else dict.fromkeys(keep, "")
+        pools: dict[str, list[str]] = {}
+        for address, pool in owner.items():
+            pools.setdefault(pool, []).append(address)
+        self._pools = {pool: tuple(sorted(members)) for pool, members in pools.items()}
         for endpoint in list(self._endpoints):
             if endpoint not in keep or not config.enabled:
                 health = self._endpoints.pop(endpoint)
@@ -184,6 +198,13 @@ class HealthTracker:
             return False
         trial = health.trial_at
         return trial is None or now - trial > self.config.trial_timeout_seconds
+
+    def inconclusive(self, endpoint: str, now: float) -> None:
+        """An answer of ``endpoint`` that says nothing about it (cut short after it began):
+        a half-open trial it was frees the way for the next trial, nothing else changes."""
+        health = self._endpoints.get(endpoint)
+        if health is not None and health.circuit(now) is Circuit.HALF_OPEN:
+            health.trial_at = None
 
     def picked(self, endpoint: str, now: float) -> None:
         """A request went to ``endpoint``: if its circuit is half-open, that is the trial."""
@@ -202,7 +223,7 @@ class HealthTracker:
         reason: str = "",
     ) -> None:
         """One answer of ``endpoint`` (of ``pool``, whose endpoints are ``members``):
-        ``failed`` with ``reason`` (``5xx``, ``incomplete``, ``retried``), else its
+        ``failed`` with ``reason`` (``5xx``, ``retried``), else its
         ``latency`` in seconds when known."""
         config = self.config
         if not config.enabled:
@@ -370,11 +391,17 @@ class HealthTracker:
         return batch
 
     def apply(self, batch: Iterable[Verdict]) -> None:
-        """Other processes' verdicts: a later ejection wins; a readmission closes."""
+        """Other processes' verdicts: a later ejection wins, within the ejection cap; a
+        readmission closes."""
         if not self.config.enabled:
             return
         for endpoint, pool, until, ejections, reason in batch:
             health = self._endpoints.get(endpoint)
+            if until > 0.0 and (health is None or health.until == 0.0):
+                # A new ejection here: only with room under the cap, as a local one.
+                members = self._pools.get(pool) or self._pools.get("") or (endpoint,)
+                if not self._room(endpoint, pool, members, self.config):
+                    continue
             if health is None:
                 health = self._endpoints[endpoint] = EndpointHealth(pool)
             if until > 0.0:

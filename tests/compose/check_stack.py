@@ -289,7 +289,7 @@ def check_routing(stack: Stack, count: int, fallback_ok: bool = False) -> Routed
             )
         found = stack.decision(request_id)
         if found is None:
-            raise StackError(f"neither epp has a decision for {request_id} (routing.explain on?)")
+            raise StackError(f"neither epp has a decision for {request_id} (debug log on?)")
         epp, endpoints = found
         served_by = headers.get("x-served-by", "")
         if served_by != endpoints[0] and not (fallback_ok and served_by in endpoints):

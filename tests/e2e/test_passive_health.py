@@ -11,10 +11,12 @@ printed (``-s``) and recorded in docs/health.md.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -156,6 +158,50 @@ def test_in_full_duplex_mode_a_failing_replica_is_ejected_and_returns(
 def test_a_slow_replica_is_ejected_as_a_latency_outlier_and_returns(stack: Stack) -> None:
     eject_and_return(stack, stack.replica_addresses[1], "latency_ms 200", latency_ms=200)
     assert endpoints(stack)[stack.replica_addresses[1]]["health"]["ejections"] >= 1
+
+
+def _stream(stack: Stack, i: int, abandon: bool) -> None:
+    """One streamed completion through Envoy; ``abandon``: hang up right after the response
+    headers, as a client that goes away mid-response."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        body = {"model": stack.model, "prompt": f"stream {i}", "max_tokens": 64, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        if not abandon:
+            resp.read()
+    finally:
+        conn.close()
+
+
+def test_clients_abandoning_half_their_streams_eject_no_replica(stack: Stack) -> None:
+    """Half of 400 streams are dropped by their client right after the response headers:
+    epp counts none of them against the replica (a failing one is still ejected, above)."""
+    url = f"http://127.0.0.1:{stack.epp_ports[0][2]}/metrics"
+    before = sum(metric_values(url, "epp_endpoint_ejections_total").values())
+    incomplete = "inference_objective_request_error_total"
+    cut_before = sum(v for k, v in metric_values(url, incomplete).items() if "incomplete" in k)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: _stream(stack, i, abandon=i % 2 == 0), range(400)))
+    # epp saw the streams cut short (it records them when their ext_proc streams end) ...
+    wait_until(
+        lambda: (
+            sum(v for k, v in metric_values(url, incomplete).items() if "incomplete" in k)
+            - cut_before
+            >= 100
+        ),
+        10,
+        "the abandoned streams recorded as incomplete",
+    )
+    cut = sum(v for k, v in metric_values(url, incomplete).items() if "incomplete" in k)
+    # ... and ejected nobody for them.
+    assert sum(metric_values(url, "epp_endpoint_ejections_total").values()) == before
+    assert all(circuit(stack, a) == "closed" for a in stack.replica_addresses)
+    print(f"\n400 streams, 200 abandoned: {cut - cut_before:.0f} seen cut short, 0 ejections")
 
 
 def test_with_half_the_pool_faulty_the_ejection_cap_holds(stack: Stack) -> None:

@@ -175,7 +175,10 @@ async def test_an_ejected_endpoint_has_no_room() -> None:
     router = await _fresh_router({"max_requests": 1})
     router.fleet.inflight.add("127.0.0.1:8002", 10)
     ejected = Verdict("127.0.0.1:8001", "main", time.time() + 60, 1, "test")
-    router.fleet.health.apply([ejected])
+    # The server configures health with each endpoint's pool: the ejection cap needs them.
+    health = router.fleet.health
+    health.configure(health.config, router.config.endpoint_pools())
+    health.apply([ejected])
     assert router.pool_saturated("tiny")
 
 

@@ -214,6 +214,42 @@ def test_verdicts_are_shared_and_applied_by_another_process() -> None:
     assert circuit(one, "c", 6.1) is Circuit.CLOSED
 
 
+def test_remote_verdicts_are_under_the_same_ejection_cap() -> None:
+    """Half of a pool of four may be ejected: two other processes' ejections apply here, a
+    third does not (it would eject a third replica), whoever decided it."""
+    here = HealthTracker(CONFIG)
+    here.configure(CONFIG, dict.fromkeys(POOL, "p"))
+    verdicts = []
+    for endpoint in ("a", "b", "c"):
+        other = tracker()
+        fail(other, endpoint, 0.0, 3)
+        verdicts.extend(other.take_recent())
+    here.apply(verdicts)
+    assert sorted(here.ejected("p")) == ["a", "b"]
+    assert here.admits("c", 1.0)
+    # A local ejection finds no room either.
+    fail(here, "d", 1.0, 3)
+    assert here.admits("d", 1.1)
+    # An endpoint already ejected here may have its ejection extended by another process.
+    other = tracker()
+    fail(other, "a", 3.0, 3)
+    here.apply(other.take_recent())
+    state = here.state("a")
+    assert state is not None
+    assert state.until == 8.0
+
+
+def test_an_answer_cut_short_is_no_verdict_even_as_a_trial() -> None:
+    health = tracker()
+    fail(health, "a", 0.0, 3)
+    assert circuit(health, "a", 5.0) is Circuit.HALF_OPEN
+    health.picked("a", 5.0)
+    assert not health.admits("a", 5.6)  # the trial is out (until trial_timeout_seconds)
+    health.inconclusive("a", 5.6)
+    assert health.admits("a", 5.6)  # no pass, no failure: the next trial may go
+    assert circuit(health, "a", 5.6) is Circuit.HALF_OPEN
+
+
 def test_leaving_endpoints_and_disabling_forget_state_and_series() -> None:
     health = tracker()
     fail(health, "d", 0.0, 3)

@@ -19,16 +19,27 @@ def outcome(status: int = 200, complete: bool = True, streamed: bool = False) ->
     return Outcome("a", status, seconds=0.5, complete=complete, streamed=streamed, ttft=0.1)
 
 
-def test_5xx_incomplete_and_retries_are_failures() -> None:
+def test_5xx_and_retries_are_failures() -> None:
     health = tracker()
     judge(health, POOLS, "a", outcome(503), 1.0)
-    judge(health, POOLS, "a", outcome(complete=False), 1.0)
     judge_retry(health, POOLS, "a", 1.0)
     state = health.state("a")
     assert state is not None
     assert state.pool == "main"
-    assert state.consecutive == 3
-    assert [failed for _, failed in state.outcomes] == [True, True, True]
+    assert state.consecutive == 2
+    assert [failed for _, failed in state.outcomes] == [True, True]
+
+
+def test_a_response_cut_short_is_not_held_against_the_replica() -> None:
+    """A client hanging up mid-response looks like an upstream reset mid-stream: neither is
+    counted, so abandoning streams cannot eject a replica. A 5xx cut short still counts."""
+    health = tracker()
+    judge(health, POOLS, "a", outcome(complete=False, streamed=True), 1.0)
+    judge(health, POOLS, "a", outcome(200), 1.0)
+    judge(health, POOLS, "a", outcome(502, complete=False), 1.0)
+    state = health.state("a")
+    assert state is not None
+    assert [failed for _, failed in state.outcomes] == [False, True]
 
 
 def test_client_errors_are_successes_without_a_latency_sample() -> None:

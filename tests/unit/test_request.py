@@ -19,6 +19,7 @@ from epp.request import (
     check_headers,
     hashing_text,
     parse_request,
+    session_key,
 )
 
 # Headers set by a trusted gateway (request.trusted_headers): what parsing makes of them.
@@ -65,7 +66,7 @@ def test_completion_fields() -> None:
         **{"x-request-id": "abc", "x-session-token": "s1", "x-priority": "3"},
     )
     assert (req.model, req.prompt, req.max_tokens, req.stream) == ("m", "hello", 7, True)
-    assert (req.request_id, req.session, req.priority) == ("abc", "s1", 3)
+    assert (req.request_id, req.session, req.priority) == ("abc", session_key(b"s1"), 3)
 
 
 def test_token_prompts_are_kept_as_ids() -> None:

@@ -15,6 +15,7 @@ from epp.extproc.responses import CONTINUE_RESPONSE_BODY
 from epp.extproc.stream import StreamHandler
 from epp.lifecycle import Usage
 from epp.prefix.approximate import ApproximatePrefixIndex
+from epp.request import session_key
 from epp.state.fleet import FleetState
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.wire import SERVED
@@ -137,7 +138,7 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     handler.handle(body_msg(body))
     picked = handler.ticket.endpoint if handler.ticket else None
     assert picked == B  # 8001 has the longer queue
-    fleet.sessions.bind("s1", B, time.time(), 600)  # as a session scorer would have
+    fleet.sessions.bind(session_key(b"s1"), B, time.time(), 600)  # as a session scorer would have
     assert fleet.inflight.load(B).requests == 1
     moved_before = _sample("epp_requests_moved_total")
     tokens_before = _sample("epp_tokens_total", model="tiny", objective="", kind="completion")
@@ -146,7 +147,7 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     now[0] = 100.05
     handler.handle(_response_headers({**SSE_HEADERS, SERVED: A}))
     assert (fleet.inflight.load(A).requests, fleet.inflight.load(B).requests) == (1, 0)
-    assert fleet.sessions.get("s1", time.time()) == A
+    assert fleet.sessions.get(session_key(b"s1"), time.time()) == A
     assert _sample("epp_requests_moved_total") == moved_before + 1
     now[0] = 100.2
     assert handler.handle(_response_body(ROLE + token("x"))) == (CONTINUE_RESPONSE_BODY,)

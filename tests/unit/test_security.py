@@ -114,16 +114,40 @@ async def _status(app: web.Application, remote: str, **headers: str) -> int:
     return response.status
 
 
-async def test_debug_answers_loopback_and_token_holders_only() -> None:
+def test_debug_access_and_the_buffered_budget_are_checked() -> None:
+    server = parse_config({**BASE, "server": {"debug_access": "loopback"}}).server
+    assert (server.debug_access, server.max_buffered_bytes) == ("loopback", 256 * 1024 * 1024)
+    (error,) = _errors(server={"debug_access": "mesh"})
+    assert "server.debug_access: must be one of local, loopback, any, got 'mesh'" in error
+    (error,) = _errors(server={"max_buffered_bytes": -1})
+    assert "server.max_buffered_bytes" in error
+
+
+async def test_debug_answers_loopback_without_a_token_and_token_holders_with_one() -> None:
     router = await make_router()
+    local = build_app(router, ServerConfig())
+    local.freeze()
+    assert await _status(local, "127.0.0.1") == 200
+    assert await _status(local, "::1") == 200
+    assert await _status(local, "::ffff:127.0.0.1") == 200
+    assert await _status(local, "10.1.2.3") == 403
+    # With a token, loopback proves nothing (a mesh sidecar forwards from 127.0.0.6): every
+    # caller must send it.
     guarded = build_app(router, ServerConfig(debug_token="s3cret"))
     guarded.freeze()
-    assert await _status(guarded, "127.0.0.1") == 200
-    assert await _status(guarded, "::1") == 200
-    assert await _status(guarded, "::ffff:127.0.0.1") == 200
+    assert await _status(guarded, "127.0.0.1") == 403
+    assert await _status(guarded, "127.0.0.6") == 403
+    assert await _status(guarded, "::1", Authorization="Bearer wrong") == 403
+    assert await _status(guarded, "127.0.0.1", Authorization="Bearer s3cret") == 200
     assert await _status(guarded, "10.1.2.3") == 403
     assert await _status(guarded, "10.1.2.3", Authorization="Bearer wrong") == 403
     assert await _status(guarded, "10.1.2.3", Authorization="Bearer s3cret") == 200
+    # The explicit development mode: loopback without the token, others with it.
+    dev = build_app(router, ServerConfig(debug_access="loopback", debug_token="s3cret"))
+    dev.freeze()
+    assert await _status(dev, "127.0.0.1") == 200
+    assert await _status(dev, "10.1.2.3") == 403
+    assert await _status(dev, "10.1.2.3", Authorization="Bearer s3cret") == 200
     opened = build_app(router, ServerConfig(debug_access="any"))
     opened.freeze()
     assert await _status(opened, "10.1.2.3") == 200
@@ -132,13 +156,31 @@ async def test_debug_answers_loopback_and_token_holders_only() -> None:
         assert (await client.get("/metrics")).status == 200
 
 
+def test_the_compose_stack_shows_scores_and_debug_to_this_host_only() -> None:
+    """The shipped compose configuration sends no scores to clients (Envoy's port is
+    published on every interface), and opens /debug only on ports published on loopback."""
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "deploy/compose/epp.yaml")
+    routing, server = config.routing, config.server
+    assert not routing.explains_to(None, server.debug_token)
+    if server.debug_access == "any":
+        compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+        epps = [s for name, s in compose["services"].items() if name.startswith("epp")]
+        assert epps
+        for service in epps:
+            for port in service.get("ports", []):
+                assert str(port).startswith("127.0.0.1:"), port
+
+
 # ---------------------------------------------------------------------------- explain output
 
 
-async def _scores(routing: dict[str, Any], **headers: str) -> tuple[bool, list[str]]:
+async def _scores(
+    routing: dict[str, Any], server: dict[str, Any] | None = None, **headers: str
+) -> tuple[bool, list[str]]:
     """(scores in the answer's metadata, headers epp removes) for one request."""
     router = await make_router()
-    router.config = parse_config({**BASE, "routing": routing})
+    router.config = parse_config({**BASE, "routing": routing, "server": server or {}})
     handler = StreamHandler(router)
     handler.handle(headers_msg(extra=headers))
     (answer,) = handler.handle(body_msg(BODY))
@@ -154,6 +196,10 @@ async def test_explain_output_only_for_token_holders() -> None:
     assert await _scores(token, **{"x-epp-explain": "t0k"}) == (True, ["x-epp-explain"])
     # Without a token every caller sees them (a development setting); without explain nobody.
     assert (await _scores({"explain": True}))[0]
+    # server.debug_token guards them too when routing has no token of its own.
+    debug = {"server": {"debug_token": "d3bug"}}
+    assert not (await _scores({"explain": True}, **debug))[0]
+    assert (await _scores({"explain": True}, **debug, **{"x-epp-explain": "d3bug"}))[0]
     assert not (await _scores({"explain": False}, **{"x-epp-explain": "t0k"}))[0]
 
 

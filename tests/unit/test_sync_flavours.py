@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from epp.devstack import free_port
+from epp.request import session_key
 from epp.state.fleet import FleetState
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import connect, hash_tag
@@ -72,7 +73,7 @@ async def exercise(a: Member, b: Member, tag: int) -> None:
 
     await eventually(spread, what="leases spread 2 + 2")
     a.fleet.prefix.insert(ENDPOINTS[0], [tag, tag + 1], 100)
-    a.fleet.sessions.bind(f"s{tag}", ENDPOINTS[1], time.time(), 60)
+    a.fleet.sessions.bind(session_key(f"s{tag}".encode()), ENDPOINTS[1], time.time(), 60)
     ticket = a.fleet.inflight.add(ENDPOINTS[2], 5)
     state = EndpointState(ENDPOINTS[3], "pool", True, scraped_at=time.time())
     await a.store.put_endpoint(state)
@@ -81,7 +82,8 @@ async def exercise(a: Member, b: Member, tag: int) -> None:
         what="prefix insertion",
     )
     await eventually(
-        lambda: b.fleet.sessions.get(f"s{tag}", time.time()) == ENDPOINTS[1], what="session"
+        lambda: b.fleet.sessions.get(session_key(f"s{tag}".encode()), time.time()) == ENDPOINTS[1],
+        what="session",
     )
     await eventually(lambda: b.fleet.inflight.load(ENDPOINTS[2]).requests == 1, what="load")
     await eventually(lambda: b.store.snapshot().get(ENDPOINTS[3]) == state, what="state")

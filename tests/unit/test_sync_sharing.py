@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+from epp.request import session_key
 from epp.state.fleet import FleetState
 from epp.state.inflight import Load
 from epp.state.latency import Basis
@@ -24,6 +25,9 @@ E1, E2, E3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 Member = tuple[FleetState, SharedState]
 Group = Callable[..., Awaitable[Member]]
+
+# Session keys as requests carry them (digests of the header).
+S, SHORT, OLD = (session_key(raw) for raw in (b"s", b"short", b"old"))
 
 
 @pytest.fixture
@@ -97,26 +101,26 @@ async def test_sessions_follow_the_latest_binding_and_own_entries_are_skipped(
 ) -> None:
     (fa, _), (fb, _) = await group(), await group()
     now = time.time()
-    fa.sessions.bind("s", E1, now, 60)
-    fa.sessions.bind("s", E2, now, 60)  # rebinding before the first one comes back
-    await eventually(lambda: fb.sessions.get("s", time.time()) == E2)
+    fa.sessions.bind(S, E1, now, 60)
+    fa.sessions.bind(S, E2, now, 60)  # rebinding before the first one comes back
+    await eventually(lambda: fb.sessions.get(S, time.time()) == E2)
     await asyncio.sleep(3 * TICK)
     # Had a's own entries been applied to it, the older E1 binding could have won.
-    assert fa.sessions.get("s", time.time()) == E2
+    assert fa.sessions.get(S, time.time()) == E2
     # The absolute expiry travels: a short binding ends at the same time everywhere.
-    fa.sessions.bind("short", E3, time.time(), 0.2)
-    await eventually(lambda: fb.sessions.get("short", time.time()) == E3)
-    await eventually(lambda: fb.sessions.get("short", time.time()) is None, within=1.0)
+    fa.sessions.bind(SHORT, E3, time.time(), 0.2)
+    await eventually(lambda: fb.sessions.get(SHORT, time.time()) == E3)
+    await eventually(lambda: fb.sessions.get(SHORT, time.time()) is None, within=1.0)
 
 
 async def test_a_late_process_starts_with_the_group_history(group: Group) -> None:
     (fa, _), _ = await group(), await group()
     fa.prefix.insert(E3, [31, 32], 1000)
-    fa.sessions.bind("old", E3, time.time(), 60)
+    fa.sessions.bind(OLD, E3, time.time(), 60)
     await asyncio.sleep(5 * TICK)  # shipped
     fc, _ = await group()
     await eventually(lambda: fc.prefix.match([31, 32], [E3]) == {E3: 2}, what="replay")
-    assert fc.sessions.get("old", time.time()) == E3
+    assert fc.sessions.get(OLD, time.time()) == E3
 
 
 def pending() -> float | None:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from epp.request import SESSION_DIGEST_BYTES
 from epp.state.sessions import DEFAULT_MAX_SESSIONS, SessionTable
 
 # Local bindings kept for shipping; the oldest are dropped beyond this (as in the prefix index).
@@ -46,8 +47,20 @@ class SharedSessionTable(SessionTable):
         return batch
 
     def apply(self, batch: Iterable[Binding]) -> None:
-        """Replay other processes' bindings (not recorded again); expired ones are skipped."""
+        """Replay other processes' bindings (not recorded again); expired ones are skipped,
+        and so are session keys that are no digest (an older epp's raw header): a remote
+        binding takes no more room than a local one."""
         now = time.time()
         for session, endpoint, expires_at in batch:
-            if expires_at > now:
+            if expires_at > now and _is_digest(session):
                 super().bind(session, endpoint, now, expires_at - now)
+
+
+def _is_digest(session: object) -> bool:
+    if not isinstance(session, str) or len(session) != 2 * SESSION_DIGEST_BYTES:
+        return False
+    try:
+        bytes.fromhex(session)
+    except ValueError:
+        return False
+    return True
