@@ -14,7 +14,6 @@ separator declared once below, so they cannot drift apart or from the engine's.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
