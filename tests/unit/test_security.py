@@ -156,10 +156,14 @@ async def test_debug_answers_loopback_without_a_token_and_token_holders_with_one
         assert (await client.get("/metrics")).status == 200
 
 
-def test_the_compose_stack_shows_scores_and_debug_to_this_host_only() -> None:
+def test_the_compose_stack_shows_scores_and_debug_to_this_host_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The shipped compose configuration sends no scores to clients (Envoy's port is
     published on every interface), and opens /debug only on ports published on loopback."""
     root = Path(__file__).resolve().parents[2]
+    # The compose stack reads Redis' password from the environment (docs/deploy.md).
+    monkeypatch.setenv("EPP_REDIS_PASSWORD", "0123456789abcdef")
     config = load_config(root / "deploy/compose/epp.yaml")
     routing, server = config.routing, config.server
     assert not routing.explains_to(None, server.debug_token)

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from epp.admission.budget_sync import BudgetSync
 from epp.admission.budgets import BUCKETS, BudgetPolicy, Budgets, Charge, Limits
+from epp.request import session_key
 from epp.state.fleet import FleetState
 from epp.state.latency import LatencyModel
 from epp.state.redis_store import RedisStore
@@ -137,9 +138,12 @@ def store_payload(state: EndpointState) -> str:
 
 async def test_pick_entries(prefix: str, redis: Redis) -> None:
     fleet = FleetState(sessions=SharedSessionTable())
+    # The verdicts' pool, so a remote ejection has room under the ejection cap.
+    fleet.health.configure(fleet.health.config, {e: "pool" for e in (E1, E2, E3, E4, E5)})
     member = SharedState(SHARED_URL, fleet, key_prefix=prefix, interval=0.02)
     now = time.time()
     far = now + 1e6
+    session = session_key(b"s1")  # what session tables hold: a digest of the header
     entries = [
         b"\xc1",  # not msgpack
         msgpack.packb({"origin": "x"}),
@@ -148,7 +152,7 @@ async def test_pick_entries(prefix: str, redis: Redis) -> None:
         msgpack.packb(["x", now, [["health", [E2, "pool", far, 1, "forged"]]], 1]),
         # An ejection streak no process reaches: 2**n of it would overflow the next ejection.
         msgpack.packb(["x", now, [["health", [E3, "pool", now + 5, 10**6, "forged"]]], 1]),
-        msgpack.packb(["x", now, [["sessions", ["s1", E3, far]]], 1]),
+        msgpack.packb(["x", now, [["sessions", [session, E3, far]]], 1]),
         msgpack.packb(["x", now, [["prefix", [E4, [7, 8], 100, "a later field"]]], 1]),
         msgpack.packb(["x", now, [["prefix", [E5, [9], 100]]]]),  # version 0
     ]
@@ -165,8 +169,8 @@ async def test_pick_entries(prefix: str, redis: Redis) -> None:
         assert health is not None
         assert 0 < health.until <= ceiling
         assert fleet.health.state(E3) is None
-        assert fleet.sessions.get("s1", time.time()) == E3  # kept, with its expiry clamped
-        assert fleet.sessions.get("s1", time.time() + 2 * 86_400) is None
+        assert fleet.sessions.get(session, time.time()) == E3  # kept, with its expiry clamped
+        assert fleet.sessions.get(session, time.time() + 2 * 86_400) is None
         assert member._task is not None
         assert not member._task.done()
     finally:

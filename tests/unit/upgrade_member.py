@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 from prometheus_client import REGISTRY
 
+from epp.request import session_key
 from epp.state import redis_store
 from epp.state.fleet import FleetState
 from epp.state.group_queues import Row
@@ -181,7 +182,7 @@ async def _share(fleet: FleetState, store: redis_store.RedisStore, me: str, coun
         fleet.inflight.add(mine, 10)
     fleet.queues.queued(POOL, PRIORITY, me, 2, time.monotonic())
     for i in range(SESSIONS):
-        fleet.sessions.bind(f"{me}-s{i}", mine, now, 600.0)
+        fleet.sessions.bind(session_key(f"{me}-s{i}".encode()), mine, now, 600.0)
     todo = list(hashes(me, count))
     for start in range(0, len(todo), BURST):
         for h in todo[start : start + BURST]:
@@ -198,7 +199,8 @@ def _seen(
     return {
         "prefix": sum(matched([h], [theirs])[theirs] for h in hashes(other, count)),
         "sessions": sum(
-            fleet.sessions.get(f"{other}-s{i}", time.time()) == theirs for i in range(SESSIONS)
+            fleet.sessions.get(session_key(f"{other}-s{i}".encode()), time.time()) == theirs
+            for i in range(SESSIONS)
         ),
         "load": fleet.inflight.load(theirs).requests,
         "queue": fleet.queues.waiting(POOL, PRIORITY, time.monotonic()),
