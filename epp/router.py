@@ -273,7 +273,8 @@ class Router:
         ]
         if config.flow_control.mode != "queue":  # else counted by admit
             self._arrived(addresses if subset is not None else None, request.model)
-        cycle = Cycle(snapshot, self.fleet, self._capacities(config))
+        # Roles, like the candidates, are the current answer (discovery changes them).
+        cycle = Cycle(snapshot, self.fleet, self._capacities(config), roles=self._gen.config.roles)
         if config.flow_control.mode == "queue":
             candidates = self._with_room(candidates, request.priority < 0, cycle.now)
         target = _target(request, gen)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 from epp.errors import RequestError
 from epp.metrics.plugin_clock import Lap, PluginClock
 from epp.request import InferenceRequest
+from epp.roles import Role
 from epp.scheduling.data import DataKey, Derived, Input
 from epp.scheduling.params import NoParams, Params
 from epp.state.fleet import FleetState
@@ -50,6 +51,8 @@ class Cycle:
     # Relative endpoint capacity (configured; missing means 1.0).
     weights: Mapping[str, float] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
+    # Prefill/decode role of endpoints (epp.roles; missing means both).
+    roles: Mapping[str, Role] = field(default_factory=dict)
     _data: dict[DataKey[Any], Any] = field(default_factory=dict)
 
     def get(self, key: DataKey[T]) -> T | None:
