@@ -68,7 +68,14 @@ from epp.discovery.spec import DiscoverySpec, parse_discovery
 from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.roles import ROLES, Role, parse_role
-from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
+from epp.scheduling import (
+    PluginSpec,
+    ProfileSpec,
+    decider_problems,
+    plugin_class,
+    plugin_types,
+    profile_problems,
+)
 from epp.scheduling.params import parse_params
 from epp.secrets import SecretError, expand, read_file
 from epp.state.health import HealthConfig
@@ -1083,6 +1090,8 @@ def _scheduling(node: _Node) -> SchedulingConfig:
     if "default" not in profiles:
         builtin = _Node(DEFAULT_PROFILE, f"{section.path}.default", node.source, node.errors)
         profiles["default"] = _profile("default", builtin, declared)
+    for name, message in decider_problems(profiles):
+        section.at(name).report(message)
     wanted = node.get("profile", str, "default")
     if wanted not in profiles:
         node.at("profile").report(

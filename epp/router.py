@@ -16,6 +16,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from epp import errors
@@ -34,6 +35,7 @@ from epp.observability import (
     BUDGET_REFUSED,
     BUDGET_REMAINING,
     DECISION_SECONDS,
+    DISAGG_DECISIONS,
     LATENCY_TARGETS,
     PICKS,
     POOL_SATURATION,
@@ -313,6 +315,10 @@ class Router:
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         uncached = max(0, request.prompt_tokens() - cached)
+        if gen.profile.decider is not None:
+            decision = self._disaggregate(
+                request, decision, uncached, addresses, cycle, gen, explain, laps, defer
+            )
         inflight = self.fleet.inflight
         features = ttft_features(uncached, inflight.load(first.address), first)
         predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
@@ -323,6 +329,54 @@ class Router:
         if decision.scores is not None:
             self._remember(request, decision)
         return decision, ticket
+
+    def _disaggregate(
+        self,
+        request: InferenceRequest,
+        decision: Decision,
+        uncached: int,
+        addresses: Sequence[str],
+        cycle: Cycle,
+        gen: Generation,
+        explain: bool,
+        laps: list[Lap] | None,
+        defer: list[Callable[[], None]] | None,
+    ) -> Decision:
+        """``decision`` with a prefill replica when the profile's decider wants one and the
+        prefill profile finds one other than the decode replica (docs/pd.md); as it is, and
+        counted decode-only, otherwise. Fallbacks stay decode replicas: a retry carries the
+        same prefill replica, and a failed prefill leg is prefilled by the decode replica."""
+        decider, profile = gen.profile.decider, gen.prefill
+        decode = decision.endpoints[0]
+        prefill = None
+        wanted = False
+        why: dict[str, Any] = {"uncached_tokens": uncached}
+        if decider is not None and profile is not None:
+            wanted = decider.disaggregate(request, decode, uncached, cycle)
+            if wanted:
+                snapshot = cycle.snapshot
+                candidates = [
+                    snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
+                ]
+                # A cycle of its own: the prefill profile's data is about prefill replicas.
+                own = Cycle(snapshot, self.fleet, cycle.weights, cycle.now, roles=cycle.roles)
+                picked = profile.run(request, candidates, own, 1, explain, laps, defer)
+                if picked.endpoints and picked.endpoints[0].address != decode.address:
+                    prefill = picked.endpoints[0]
+                why["prefill_scores"] = picked.scores
+        kind = "decode-only" if prefill is None else "prefill-decode"
+        DISAGG_DECISIONS.add((kind,))
+        why.update(
+            decision_type=kind,
+            wanted=wanted,
+            prefill=None if prefill is None else prefill.address,
+        )
+        return replace(
+            decision,
+            prefill=prefill,
+            prefill_header="" if prefill is None or decider is None else decider.header,
+            disaggregation=why if explain else None,
+        )
 
     def pass_through(self, pool: str, path: str) -> Ticket:
         """Count a request for a path that passes through to ``pool`` (``routing.passthrough``)
@@ -370,6 +424,8 @@ class Router:
             "endpoints": [e.address for e in decision.endpoints],
             "scores": decision.scores,
         }
+        if decision.disaggregation is not None:
+            record["disaggregation"] = decision.disaggregation
         log.debug("decision %s", json.dumps(record, sort_keys=True))
         self.decisions[request.request_id] = record
         while len(self.decisions) > RECENT_DECISIONS:
