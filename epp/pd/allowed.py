@@ -1,0 +1,56 @@
+"""Which prefill replicas a sidecar may call: never anything a client names (docs/pd.md).
+
+The prefill header comes from epp, and Envoy strips client copies; the sidecar still refuses a
+target outside its pool, so that a request reaching it another way cannot make it call an
+arbitrary address. The list is the ``--prefill`` addresses plus, from an epp configuration, the
+prefill-role endpoints of its static pools and the addresses of its DNS pools whose role is
+prefill (re-resolved every ``interval``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterable
+
+from epp.config import Config
+from epp.discovery.spec import DnsSpec, format_endpoint
+
+log = logging.getLogger(__name__)
+
+
+class Allowed:
+    def __init__(self, addresses: Iterable[str] = (), config: Config | None = None) -> None:
+        self._static = frozenset(addresses)
+        self._dns: list[DnsSpec] = []
+        if config is not None:
+            self._static |= {a for a, role in config.roles.items() if role == "prefill"}
+            self._dns = [
+                s
+                for s in config.discovery.values()
+                if isinstance(s, DnsSpec) and s.role == "prefill"
+            ]
+        self._resolved: frozenset[str] = frozenset()
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._static or address in self._resolved
+
+    async def follow_dns(self) -> None:
+        """Keep the DNS pools' addresses current; a failed lookup keeps the last ones."""
+        if not self._dns:
+            return
+        loop = asyncio.get_running_loop()
+        interval = min(s.interval for s in self._dns)
+        while True:
+            found: set[str] = set()
+            for spec in self._dns:
+                try:
+                    infos = await loop.getaddrinfo(spec.name, spec.port, type=socket.SOCK_STREAM)
+                except OSError as exc:
+                    log.warning("prefill pool %s: lookup failed: %s", spec.name, exc)
+                    found |= {a for a in self._resolved if a.endswith(f":{spec.port}")}
+                    continue
+                found |= {format_endpoint(str(i[4][0]), spec.port) for i in infos}
+            self._resolved = frozenset(found)
+            await asyncio.sleep(interval)
