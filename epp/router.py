@@ -315,15 +315,21 @@ class Router:
         # Optional: a profile without a prefix producer counts the whole prompt as uncached.
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         uncached = max(0, request.prompt_tokens() - cached)
+        inflight = self.fleet.inflight
         if gen.profile.decider is not None:
             decision = self._disaggregate(
                 request, decision, uncached, addresses, cycle, gen, explain, laps, defer
             )
-        inflight = self.fleet.inflight
-        features = ttft_features(uncached, inflight.load(first.address), first)
-        predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
-        basis = Basis(features, predicted, target, request.objective)
-        ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
+        if decision.prefill is not None:
+            # The decode replica loads the prompt's KV instead of prefilling it, and the
+            # request's TTFT is partly another replica's: no prefill work here, and nothing
+            # for the latency model to learn about this replica's prefill speed.
+            ticket = inflight.add(first.address, request.expected_tokens(cached))
+        else:
+            features = ttft_features(uncached, inflight.load(first.address), first)
+            predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
+            basis = Basis(features, predicted, target, request.objective)
+            ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         PICKS.add((first.pool, first.address))
         REQUESTS.add((request.model, "routed"))
         if decision.scores is not None:

@@ -99,9 +99,13 @@ async def test_long_uncached_prompts_are_disaggregated_short_ones_are_not(mode: 
     assert long["x-gateway-destination-endpoint"].split(",")[0] in DECODE
     assert all(a in DECODE for a in long["x-gateway-destination-endpoint"].split(","))
     assert long[HEADER] in PREFILL
+    # The decode replica loads the KV: no prefill work counted there.
+    decode = long["x-gateway-destination-endpoint"].split(",")[0]
+    assert router.fleet.inflight.load(decode).prefill == 0
     short = route(router, "hi", mode)
     assert short["x-gateway-destination-endpoint"].split(",")[0] in DECODE
     assert HEADER not in short
+    assert sum(router.fleet.inflight.load(a).prefill for a in DECODE) > 0
     assert counted("prefill-decode") == split + 1
     assert counted("decode-only") == local + 1
 
