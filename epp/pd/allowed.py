@@ -4,7 +4,8 @@ The prefill header comes from epp, and Envoy strips client copies; the sidecar s
 target outside its pool, so that a request reaching it another way cannot make it call an
 arbitrary address. The list is the ``--prefill`` addresses plus, from an epp configuration, the
 prefill-role endpoints of its static pools and the addresses of its DNS pools whose role is
-prefill (re-resolved every ``interval``).
+prefill, plus the addresses of ``--prefill-dns`` names (a Kubernetes headless Service of the
+prefill pods), re-resolved every ``interval``.
 """
 
 from __future__ import annotations
@@ -21,36 +22,48 @@ log = logging.getLogger(__name__)
 
 
 class Allowed:
-    def __init__(self, addresses: Iterable[str] = (), config: Config | None = None) -> None:
+    def __init__(
+        self,
+        addresses: Iterable[str] = (),
+        config: Config | None = None,
+        names: Iterable[DnsSpec] = (),
+    ) -> None:
         self._static = frozenset(addresses)
-        self._dns: list[DnsSpec] = []
+        self._dns: list[DnsSpec] = list(names)
         if config is not None:
             self._static |= {a for a, role in config.roles.items() if role == "prefill"}
-            self._dns = [
+            self._dns += [
                 s
                 for s in config.discovery.values()
                 if isinstance(s, DnsSpec) and s.role == "prefill"
             ]
         self._resolved: frozenset[str] = frozenset()
+        self._by_name: dict[str, frozenset[str]] = {}
 
     def __contains__(self, address: str) -> bool:
         return address in self._static or address in self._resolved
 
     async def follow_dns(self) -> None:
-        """Keep the DNS pools' addresses current; a failed lookup keeps the last ones."""
+        """Keep the names' addresses current."""
         if not self._dns:
             return
-        loop = asyncio.get_running_loop()
         interval = min(s.interval for s in self._dns)
         while True:
-            found: set[str] = set()
-            for spec in self._dns:
-                try:
-                    infos = await loop.getaddrinfo(spec.name, spec.port, type=socket.SOCK_STREAM)
-                except OSError as exc:
-                    log.warning("prefill pool %s: lookup failed: %s", spec.name, exc)
-                    found |= {a for a in self._resolved if a.endswith(f":{spec.port}")}
-                    continue
-                found |= {format_endpoint(str(i[4][0]), spec.port) for i in infos}
-            self._resolved = frozenset(found)
+            await self.refresh()
             await asyncio.sleep(interval)
+
+    async def refresh(self) -> None:
+        """Look the names up once; a failed lookup keeps that name's last addresses."""
+        loop = asyncio.get_running_loop()
+        found: set[str] = set()
+        for spec in self._dns:
+            try:
+                infos = await loop.getaddrinfo(spec.name, spec.port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("prefill replicas %s: lookup failed: %s", spec.name, exc)
+                found |= self._by_name.get(spec.name, frozenset())
+                continue
+            addresses = frozenset(format_endpoint(str(i[4][0]), spec.port) for i in infos)
+            self._by_name[spec.name] = addresses
+            found |= addresses
+        self._resolved = frozenset(found)

@@ -26,6 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from epp.config import ConfigError, load_config
+from epp.discovery.spec import DnsSpec
 from epp.errors import RequestError
 from epp.pd.allowed import Allowed
 from epp.pd.legs import CONNECTORS, TRANSFER, Connector, decode_body, prefill_body
@@ -115,11 +116,13 @@ class Sidecar:
         """Run the prefill leg; the decode leg's body, the client's own when the leg failed
         (the engine then prefills locally)."""
         fallback = {k: v for k, v in data.items() if k != TRANSFER}
+        # The answer is read here, not relayed: ask for it uncompressed.
+        leg = CIMultiDict((k, v) for k, v in headers.items() if k.lower() != "accept-encoding")
         try:
             async with self.session.post(
                 f"http://{target}{path}",
                 data=_dump(prefill_body(data, self.connector)),
-                headers=headers,
+                headers=leg,
                 timeout=self.prefill_timeout,
             ) as response:
                 raw = await response.read()
@@ -228,6 +231,14 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:  # type: ign
         help="a prefill replica the sidecar may call (repeatable)",
     )
     p.add_argument(
+        "--prefill-dns",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="a name whose addresses are prefill replicas, re-resolved every second "
+        "(a headless Service; repeatable)",
+    )
+    p.add_argument(
         "--config",
         help="epp configuration: its prefill-role endpoints and prefill DNS pools are allowed",
     )
@@ -248,10 +259,17 @@ def run(args: argparse.Namespace) -> int:
             for line in exc.errors:
                 print(line)
             return 1
-    if not args.prefill and config is None:
-        print("pd-sidecar: no prefill replica allowed: give --prefill or --config")
+    if not (args.prefill or args.prefill_dns) and config is None:
+        print("pd-sidecar: no prefill replica allowed: give --prefill, --prefill-dns or --config")
         return 1
-    allowed = Allowed(args.prefill, config)
+    names = []
+    for item in args.prefill_dns:
+        name, _, port = item.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            print(f"pd-sidecar: --prefill-dns expects NAME:PORT, got {item!r}")
+            return 1
+        names.append(DnsSpec(name, int(port), role="prefill"))
+    allowed = Allowed(args.prefill, config, names)
     host, _, port = args.listen.rpartition(":")
     sidecar = Sidecar(args.engine, allowed, args.connector, args.header, args.prefill_timeout)
     web.run_app(build_app(sidecar, args.max_body_bytes), host=host or None, port=int(port))

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from epp.config import parse_config
+from epp.discovery.spec import DnsSpec
 from epp.pd.allowed import Allowed
 from epp.pd.legs import decode_body, prefill_body
 from epp.pd.sidecar import Sidecar, build_app
@@ -209,6 +210,14 @@ def test_allowed_reads_prefill_endpoints_from_an_epp_configuration() -> None:
     assert "10.0.0.1:8000" in allowed
     assert "10.0.0.5:8000" in allowed
     assert "10.0.0.2:8000" not in allowed
+
+
+async def test_allowed_follows_a_name() -> None:
+    allowed = Allowed(names=[DnsSpec("localhost", 8000, role="prefill")])
+    assert "127.0.0.1:8000" not in allowed
+    await allowed.refresh()
+    assert "127.0.0.1:8000" in allowed
+    assert "127.0.0.1:8001" not in allowed
 
 
 def test_leg_bodies() -> None:
