@@ -1,4 +1,5 @@
-"""The ``epp`` command: ``serve``, ``check-config``, ``sim``, ``envoy-config``, ``dev``."""
+"""The ``epp`` command: ``serve``, ``check-config``, ``sim``, ``envoy-config``, ``dev``,
+``pd-sidecar``."""
 
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from epp.devstack import add_subcommand as add_dev
     from epp.envoy_config import add_subcommand as add_envoy_config
+    from epp.pd.sidecar import add_subcommand as add_pd_sidecar
     from epp.sim.cli import add_subcommand as add_sim
 
     parser = argparse.ArgumentParser(prog="epp", description=__doc__)
@@ -196,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim(sub)
     add_envoy_config(sub)
     add_dev(sub)
+    add_pd_sidecar(sub)
     return parser
 
 

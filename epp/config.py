@@ -4,7 +4,7 @@ Shape (every section optional except ``models`` and ``pools``)::
 
     models:   {NAME: {pools: [POOL, ...], lora: bool, tokenizer: DIR,
                      rewrite: [{model: MODEL, weight: int}, ...]}}  (docs/rewrite.md)
-    pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events}, ...]}
+    pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events, role}, ...]}
                     | {discovery: {dns: {...}} | {kubernetes: {...}}},
                      metrics_tls: {ca, cert, key, server_name},  (docs/discovery.md, security.md)
                      overflow: [OVERFLOW, ...],
@@ -76,7 +76,15 @@ from epp.edge import Authentication, AuthService, EdgeLimits, JwtAuth
 from epp.metrics.demand import DemandPolicy
 from epp.request import ApiKey, LatencyTarget, RequestPolicy, api_for_path
 from epp.rewrite import Target
-from epp.scheduling import PluginSpec, ProfileSpec, plugin_class, plugin_types, profile_problems
+from epp.roles import ROLES, Role, parse_role
+from epp.scheduling import (
+    PluginSpec,
+    ProfileSpec,
+    decider_problems,
+    plugin_class,
+    plugin_types,
+    profile_problems,
+)
 from epp.scheduling.params import parse_params
 from epp.secrets import SecretError, expand, read_file
 from epp.state.health import HealthConfig
@@ -305,6 +313,9 @@ class Config:
     weights: Mapping[str, float] = field(default_factory=dict)
     # ZMQ address of each endpoint's vLLM KV-event publisher (tcp://host:port), where known.
     kv_events: Mapping[str, str] = field(default_factory=dict)
+    # Prefill/decode role of endpoints (epp.roles; missing means ``both``): the file's, and at
+    # run time what discovery learned (DNS ``role``, the Pods' ``llm-d.ai/role`` label).
+    roles: Mapping[str, Role] = field(default_factory=dict)
     # Pools whose endpoints are discovered (their ``pools`` entry starts empty; the server
     # fills it in as the source publishes, see epp.discovery).
     discovery: Mapping[str, DiscoverySpec] = field(default_factory=dict)
@@ -371,6 +382,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         health=_health(root.child("health")),
         tracing=_tracing(root.child("tracing")),
         weights=pools.weights,
+        roles=pools.roles,
         kv_events=pools.kv_events,
         discovery=pools.discovery,
         metrics_tls=pools.metrics_tls,
@@ -528,6 +540,7 @@ def _address(node: _Node) -> str | None:
 class _Pools(NamedTuple):
     endpoints: dict[str, tuple[str, ...]]
     weights: dict[str, float]
+    roles: dict[str, Role]
     kv_events: dict[str, str]
     discovery: dict[str, DiscoverySpec]
     metrics_tls: dict[str, ClientTls]
@@ -538,7 +551,7 @@ EPP_UNREACHABLE = ("fail_closed", "fail_open")
 
 
 def _pools(node: _Node) -> _Pools:
-    pools = _Pools({}, {}, {}, {}, {}, set())
+    pools = _Pools({}, {}, {}, {}, {}, {}, set())
     seen: dict[str, str] = {}
     for name, pool in node.items():
         pools.endpoints[name] = _pool(name, pool, pools, seen)
@@ -575,9 +588,10 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
     addrs = []
     for ep in endpoints.list():
         if isinstance(ep.value, dict):
-            ep.only("address", "weight", "kv_events")
+            ep.only("address", "weight", "kv_events", "role")
             addr = _address(ep.child("address", required=True))
             weight = ep.real("weight", 1.0)
+            role = _role(ep.at("role"))
             events = ep.get("kv_events", str, "")
             if events and not events.startswith(("tcp://", "ipc://")):
                 ep.at("kv_events").report(f"must be a tcp:// or ipc:// ZMQ address, got {events!r}")
@@ -586,6 +600,8 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
                 into.weights[addr] = weight
             if addr is not None and events:
                 into.kv_events[addr] = events
+            if addr is not None and role is not None:
+                into.roles[addr] = role
         else:
             addr = _address(ep)
         if addr is None:
@@ -596,6 +612,15 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
         seen[addr] = name
         addrs.append(addr)
     return tuple(addrs)
+
+
+def _role(node: _Node) -> Role | None:
+    if node.value is None:
+        return None
+    role = parse_role(node.value)
+    if role is None:
+        node.report(f"must be one of {', '.join(ROLES)} (or prefill-decode), got {node.value!r}")
+    return role
 
 
 def _models(node: _Node, pools: Mapping[str, tuple[str, ...]]) -> dict[str, ModelConfig]:
@@ -1217,6 +1242,8 @@ def _scheduling(node: _Node) -> SchedulingConfig:
     if "default" not in profiles:
         builtin = _Node(DEFAULT_PROFILE, f"{section.path}.default", node.source, node.errors)
         profiles["default"] = _profile("default", builtin, declared)
+    for name, message in decider_problems(profiles):
+        section.at(name).report(message)
     wanted = node.get("profile", str, "default")
     if wanted not in profiles:
         node.at("profile").report(

@@ -38,6 +38,8 @@ class Generation:
 
     config: Config
     profile: Profile
+    # The profile that picks prefill replicas, when the profile's decider disaggregates.
+    prefill: Profile | None
     # Whether requests are awaited (Router.prepare, Router.admit) before they are routed.
     needs_preparation: bool
     # The profile's default target, merged with each objective's ('' for no objective).
@@ -70,9 +72,14 @@ class Generation:
             (f.default_target for f in profile.filters if isinstance(f, DefaultTarget)),
             LatencyTarget(),
         )
+        decider = profile.decider
+        prefill = None
+        if decider is not None:
+            prefill = build_profile(config.scheduling.profiles[decider.prefill_profile])
         return cls(
             config=config,
             profile=profile,
+            prefill=prefill,
             needs_preparation=bool(profile.prepare)
             or config.flow_control.mode == "queue"
             or config.budgets.enabled,

@@ -41,6 +41,12 @@ PICKS = TalliedCounter(
     "Requests routed to each endpoint (first choice).",
     ["pool", "endpoint"],
 )
+DISAGG_DECISIONS = TalliedCounter(
+    "llm_d_inference_scheduler_disagg_decision_total",
+    "Requests of a profile with a prefill/decode decider, by decision: decode-only (the decode "
+    "replica prefills) or prefill-decode (a prefill replica does; llm-d's name, docs/pd.md).",
+    ["decision_type"],
+)
 DECISION_SECONDS = TalliedHistogram(
     "epp_decision_seconds",
     "Time from end of request body to the routing answer (parse, admission, scheduling).",

@@ -16,6 +16,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from epp import errors
@@ -35,6 +36,7 @@ from epp.observability import (
     BUDGET_REFUSED,
     BUDGET_REMAINING,
     DECISION_SECONDS,
+    DISAGG_DECISIONS,
     LATENCY_TARGETS,
     PICKS,
     POOL_SATURATION,
@@ -307,7 +309,8 @@ class Router:
         ]
         if config.flow_control.mode != "queue":  # else counted by admit
             self._arrived(addresses if subset is not None else None, request.model)
-        cycle = Cycle(snapshot, self.fleet, self._capacities(config))
+        # Roles, like the candidates, are the current answer (discovery changes them).
+        cycle = Cycle(snapshot, self.fleet, self._capacities(config), roles=self._gen.config.roles)
         if config.flow_control.mode == "queue":
             candidates = self._with_room(candidates, request.priority < 0, cycle.now)
         target = _target(request, gen)
@@ -347,15 +350,73 @@ class Router:
         cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
         uncached = max(0, request.prompt_tokens() - cached)
         inflight = self.fleet.inflight
-        features = ttft_features(uncached, inflight.load(first.address), first)
-        predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
-        basis = Basis(features, predicted, target, request.objective)
-        ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
+        if gen.profile.decider is not None:
+            decision = self._disaggregate(
+                request, decision, uncached, addresses, cycle, gen, explain, laps, defer
+            )
+        if decision.prefill is not None:
+            # The decode replica loads the prompt's KV instead of prefilling it, and the
+            # request's TTFT is partly another replica's: no prefill work here, and nothing
+            # for the latency model to learn about this replica's prefill speed.
+            ticket = inflight.add(first.address, request.expected_tokens(cached))
+        else:
+            features = ttft_features(uncached, inflight.load(first.address), first)
+            predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
+            basis = Basis(features, predicted, target, request.objective)
+            ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
         PICKS.add((first.pool, first.address))
         REQUESTS.add((request.model, "routed"))
         if decision.scores is not None:
             self._remember(request, decision, rewrite)
         return decision, ticket
+
+    def _disaggregate(
+        self,
+        request: InferenceRequest,
+        decision: Decision,
+        uncached: int,
+        addresses: Sequence[str],
+        cycle: Cycle,
+        gen: Generation,
+        explain: bool,
+        laps: list[Lap] | None,
+        defer: list[Callable[[], None]] | None,
+    ) -> Decision:
+        """``decision`` with a prefill replica when the profile's decider wants one and the
+        prefill profile finds one other than the decode replica (docs/pd.md); as it is, and
+        counted decode-only, otherwise. Fallbacks stay decode replicas: a retry carries the
+        same prefill replica, and a failed prefill leg is prefilled by the decode replica."""
+        decider, profile = gen.profile.decider, gen.prefill
+        decode = decision.endpoints[0]
+        prefill = None
+        wanted = False
+        why: dict[str, Any] = {"uncached_tokens": uncached}
+        if decider is not None and profile is not None:
+            wanted = decider.disaggregate(request, decode, uncached, cycle)
+            if wanted:
+                snapshot = cycle.snapshot
+                candidates = [
+                    snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
+                ]
+                # A cycle of its own: the prefill profile's data is about prefill replicas.
+                own = Cycle(snapshot, self.fleet, cycle.weights, cycle.now, roles=cycle.roles)
+                picked = profile.run(request, candidates, own, 1, explain, laps, defer)
+                if picked.endpoints and picked.endpoints[0].address != decode.address:
+                    prefill = picked.endpoints[0]
+                why["prefill_scores"] = picked.scores
+        kind = "decode-only" if prefill is None else "prefill-decode"
+        DISAGG_DECISIONS.add((kind,))
+        why.update(
+            decision_type=kind,
+            wanted=wanted,
+            prefill=None if prefill is None else prefill.address,
+        )
+        return replace(
+            decision,
+            prefill=prefill,
+            prefill_header="" if prefill is None or decider is None else decider.header,
+            disaggregation=why if explain else None,
+        )
 
     def pass_through(self, pool: str, path: str) -> Ticket:
         """Count a request for a path that passes through to ``pool`` (``routing.passthrough``)
@@ -408,6 +469,8 @@ class Router:
         }
         if rewrite is not None:
             record["rewrite"] = rewrite.explain()
+        if decision.disaggregation is not None:
+            record["disaggregation"] = decision.disaggregation
         log.debug("decision %s", json.dumps(record, sort_keys=True))
         self.decisions[request.request_id] = record
         while len(self.decisions) > RECENT_DECISIONS:

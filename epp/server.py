@@ -324,6 +324,9 @@ class Server:
         pools = self.discovery.apply(config)
         if pools != dict(config.pools):
             config = replace(config, pools=pools)
+        roles = self.discovery.roles(config)
+        if roles != dict(config.roles):
+            config = replace(config, roles=roles)
         self.router.config = config
         endpoints = config.endpoint_pools()
         # Overflow pools' replicas are scraped too (spillover needs to know they have room),

@@ -19,8 +19,13 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
 # The overflow pool epp spills a request to; the route matching it picks that pool's cluster.
 OVERFLOW = "x-epp-overflow"
+# The prefill replica of a disaggregated request (``ip:port``), read by the decode replica's
+# sidecar (llm-d's name), and the name GIE's proposal standardises (docs/pd.md).
+PREFILL = "x-prefiller-host-port"
+GATEWAY_PREFILL = "x-gateway-prefill-endpoints"
+PREFILL_HEADERS = (PREFILL, GATEWAY_PREFILL)
 # Headers that steer routing between gateway and epp: a client must never set them.
-CONTROL_HEADERS = (DESTINATION, SUBSET_HINT_KEY, SERVED, OVERFLOW)
+CONTROL_HEADERS = (DESTINATION, SUBSET_HINT_KEY, SERVED, OVERFLOW, *PREFILL_HEADERS)
 # Metadata key carrying every candidate's scores when explaining; Envoy echoes it to the client.
 SCORES = "x-epp-scores"
 # A caller asking for the scores proves it may see them with this header (routing.explain_token);

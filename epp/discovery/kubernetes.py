@@ -42,6 +42,7 @@ from lightkube.types import OnErrorAction, OnErrorResult
 
 from epp.discovery.source import Publish
 from epp.discovery.spec import KubernetesSpec, format_endpoint
+from epp.roles import ROLE_LABEL, Role, parse_role
 
 log = logging.getLogger(__name__)
 # lightkube's HTTP client logs every request at INFO, each watch reconnection included.
@@ -99,6 +100,20 @@ def pod_endpoints(pod: Pod, ports: tuple[int, ...]) -> tuple[str, ...]:
         return ()
     ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or ())
     return tuple(format_endpoint(status.podIP, port) for port in ports) if ready else ()
+
+
+def pod_role(pod: Pod) -> Role | None:
+    """The Pod's prefill/decode role from llm-d's ``llm-d.ai/role`` label; None (both) when it
+    has none or one epp does not know (logged: such a Pod still serves whole requests)."""
+    labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
+    value = labels.get(ROLE_LABEL)
+    if value is None:
+        return None
+    role = parse_role(value)
+    if role is None:
+        name = pod.metadata.name if pod.metadata is not None else "?"
+        log.warning("Pod %s: unknown %s=%r, serving as both", name, ROLE_LABEL, value)
+    return role
 
 
 class KubernetesSource:
@@ -160,9 +175,15 @@ class KubernetesSource:
     async def _follow_pods(self, client: AsyncClient, target: PoolTarget, publish: Publish) -> None:
         namespace = self._spec.namespace
         async for pods in list_watch(client, Pod, namespace, labels=dict(target.selector)):
-            publish(
-                frozenset(ep for pod in pods.values() for ep in pod_endpoints(pod, target.ports))
-            )
+            members: set[str] = set()
+            roles: dict[str, Role] = {}
+            for pod in pods.values():
+                endpoints = pod_endpoints(pod, target.ports)
+                members.update(endpoints)
+                role = pod_role(pod)
+                if role is not None:
+                    roles.update((ep, role) for ep in endpoints)
+            publish(frozenset(members), roles)
 
 
 async def connect(spec: KubernetesSpec) -> AsyncClient:

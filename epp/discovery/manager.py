@@ -21,6 +21,7 @@ from typing import Protocol
 from epp.discovery.eds import EdsFile
 from epp.discovery.source import EndpointSource
 from epp.discovery.spec import DiscoverySpec, DnsSpec, KubernetesSpec, StaticSpec
+from epp.roles import Role
 
 
 class PoolsConfig(Protocol):
@@ -32,6 +33,11 @@ class PoolsConfig(Protocol):
 
     @property
     def discovery(self) -> Mapping[str, DiscoverySpec]: ...
+
+
+class PoolsAndRoles(PoolsConfig, Protocol):
+    @property
+    def roles(self) -> Mapping[str, Role]: ...
 
 
 log = logging.getLogger(__name__)
@@ -84,6 +90,7 @@ class _Running:
     spec: DiscoverySpec
     task: asyncio.Task[None]
     members: frozenset[str] | None = None
+    roles: Mapping[str, Role] = field(default_factory=dict)
 
 
 class Discovery:
@@ -132,6 +139,21 @@ class Discovery:
                 pools[pool] = ()
         return pools
 
+    def roles(self, config: PoolsAndRoles) -> dict[str, Role]:
+        """``config``'s endpoint roles with what discovery learned: a DNS pool's ``role`` for
+        every address it resolved, a Kubernetes Pod's label for its endpoints."""
+        discovered = [r for r in self._pools.values() if not isinstance(r.spec, StaticSpec)]
+        # ``config`` may be one this already merged into: a discovered address's role is
+        # always the source's latest word, never a departed Pod's.
+        learned = {a for r in discovered for a in r.members or ()}
+        roles = {a: r for a, r in config.roles.items() if a not in learned}
+        for running in discovered:
+            if isinstance(running.spec, DnsSpec) and running.spec.role is not None:
+                role = running.spec.role
+                roles.update((a, role) for a in running.members or ())
+            roles.update(running.roles)
+        return roles
+
     def export(self, pools: Mapping[str, tuple[str, ...]]) -> None:
         """Tell Envoy (EDS file, when configured) the endpoints of ``pools``, once every
         source has published: a restarting epp must not shrink the membership Envoy holds
@@ -153,12 +175,16 @@ class Discovery:
                 await task
 
     async def _follow(self, pool: str, spec: DiscoverySpec) -> None:
-        def publish(members: frozenset[str]) -> None:
+        def publish(members: frozenset[str], roles: Mapping[str, Role] | None = None) -> None:
             running = self._pools.get(pool)
             # A source replaced by a reload may still publish before its cancellation lands.
-            if running is None or running.spec != spec or running.members == members:
+            if running is None or running.spec != spec:
+                return
+            roles = dict(roles or {})
+            if running.members == members and running.roles == roles:
                 return
             running.members = members
+            running.roles = roles
             self._on_change()
 
         try:

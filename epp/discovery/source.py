@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Protocol
 
-# Receives the complete endpoint set of one pool (``ip:port`` / ``[v6]:port``) each time it
-# changes. Full sets, not deltas: a consumer that missed nothing and one that just started see
-# the same thing, and a source can never leave a stale endpoint behind by losing a "removed".
-Publish = Callable[[frozenset[str]], None]
+from epp.roles import Role
+
+
+class Publish(Protocol):
+    """Receives the complete endpoint set of one pool (``ip:port`` / ``[v6]:port``) each time
+    it changes. Full sets, not deltas: a consumer that missed nothing and one that just started
+    see the same thing, and a source can never leave a stale endpoint behind by losing a
+    "removed". ``roles``: the prefill/decode role of members that have one, when the source
+    learns roles per member (Kubernetes labels)."""
+
+    def __call__(
+        self, members: frozenset[str], roles: Mapping[str, Role] | None = None
+    ) -> None: ...
 
 
 class EndpointSource(Protocol):

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from epp.roles import ROLES, Role, parse_role
+
 DEFAULT_DNS_INTERVAL = 1.0
 
 # RFC 1123 labels, as Kubernetes names objects.
@@ -38,6 +40,8 @@ class DnsSpec:
     # ``(ip, port)`` of the DNS server to ask; None uses the system resolver (getaddrinfo:
     # /etc/hosts, search domains, whatever the container runtime set up).
     resolver: tuple[str, int] | None = None
+    # The prefill/decode role of every replica the name resolves to (epp.roles; None: both).
+    role: Role | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,7 @@ def parse_discovery(value: Any) -> DnsSpec | KubernetesSpec:
 
 
 def _dns(data: Mapping[str, Any]) -> DnsSpec:
-    _only(data, "dns.", "name", "port", "interval", "resolver")
+    _only(data, "dns.", "name", "port", "interval", "resolver", "role")
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"dns.name: is required, a host name to resolve (got {name!r})")
@@ -82,7 +86,14 @@ def _dns(data: Mapping[str, Any]) -> DnsSpec:
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
         raise ValueError(f"dns.interval: must be a number of seconds > 0, got {interval!r}")
     resolver = data.get("resolver")
-    return DnsSpec(name, port, float(interval), None if resolver is None else _resolver(resolver))
+    role = None
+    if data.get("role") is not None:
+        role = parse_role(data["role"])
+        if role is None:
+            raise ValueError(f"dns.role: must be one of {', '.join(ROLES)}, got {data['role']!r}")
+    return DnsSpec(
+        name, port, float(interval), None if resolver is None else _resolver(resolver), role
+    )
 
 
 def _resolver(value: Any) -> tuple[str, int]:

@@ -22,6 +22,8 @@ from epp.wire import DESTINATION, LB_NAMESPACE, OVERFLOW, SCORES
 MAX_CHUNK = 62_000
 
 _OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# Request headers set along with the pick, as ``(name, value)`` pairs.
+Headers = tuple[tuple[str, str], ...]
 
 CONTINUE_REQUEST_HEADERS = ext_proc_pb2.ProcessingResponse(
     request_headers=ext_proc_pb2.HeadersResponse()
@@ -51,13 +53,16 @@ def _routing(
     content_length: int | None,
     scores: str | None,
     overflow: str | None,
+    extra: Headers = (),
 ) -> tuple[ext_proc_pb2.CommonResponse, Struct]:
     """The picked endpoints (``destination``), or with ``overflow`` the overflow pool to spill
-    to: no endpoint, the route matching the overflow header sends it to that pool's gateway."""
+    to: no endpoint, the route matching the overflow header sends it to that pool's gateway.
+    ``extra``: headers set besides (a disaggregated request's prefill replica)."""
     if overflow is not None:
         sets = [_header(OVERFLOW, overflow)]
     else:
         sets = [_header(DESTINATION, destination)]
+    sets.extend(_header(k, v) for k, v in extra)
     if content_length is not None:
         sets.append(_header("content-length", str(content_length)))
     common = ext_proc_pb2.CommonResponse(
@@ -80,6 +85,7 @@ def route_in_headers(
     content_length: int | None,
     scores: str | None = None,
     overflow: str | None = None,
+    extra: Headers = (),
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the request-headers message (full-duplex mode, or header-only).
 
@@ -87,7 +93,7 @@ def route_in_headers(
     remove and overflow pool (see :func:`route_in_body`), with the body's length added (a copy
     is far cheaper than building the nested messages and metadata again)."""
     if scores is None:
-        plain = _plain_route_in_headers(destination, tuple(remove), overflow)
+        plain = _plain_route_in_headers(destination, tuple(remove), overflow, extra)
         if content_length is None:
             return plain
         answer = ext_proc_pb2.ProcessingResponse()
@@ -100,14 +106,14 @@ def route_in_headers(
         header.key = "content-length"
         header.raw_value = str(content_length).encode()
         return answer
-    return _route_in_headers(destination, remove, content_length, scores, overflow)
+    return _route_in_headers(destination, remove, content_length, scores, overflow, extra)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plain_route_in_headers(
-    destination: str, remove: tuple[str, ...], overflow: str | None
+    destination: str, remove: tuple[str, ...], overflow: str | None, extra: Headers
 ) -> ext_proc_pb2.ProcessingResponse:
-    return _route_in_headers(destination, remove, None, None, overflow)
+    return _route_in_headers(destination, remove, None, None, overflow, extra)
 
 
 def _route_in_headers(
@@ -116,8 +122,9 @@ def _route_in_headers(
     content_length: int | None,
     scores: str | None,
     overflow: str | None,
+    extra: Headers = (),
 ) -> ext_proc_pb2.ProcessingResponse:
-    common, metadata = _routing(destination, remove, content_length, scores, overflow)
+    common, metadata = _routing(destination, remove, content_length, scores, overflow, extra)
     return ext_proc_pb2.ProcessingResponse(
         request_headers=ext_proc_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
     )
@@ -129,6 +136,7 @@ def route_in_body(
     scores: str | None = None,
     body: bytes | None = None,
     overflow: str | None = None,
+    extra: Headers = (),
 ) -> ext_proc_pb2.ProcessingResponse:
     """Routing answer to the buffered request-body message; the body itself is not echoed
     unless epp rewrote it (``body``), which then replaces it along with its Content-Length.
@@ -137,16 +145,16 @@ def route_in_body(
     to remove and the overflow pool, which repeat from request to request: such answers are
     built once and shared (never modified once built; gRPC only serializes them)."""
     if scores is None and body is None:
-        return _plain_route_in_body(destination, tuple(remove), overflow)
-    return _route_in_body(destination, remove, scores, body, overflow)
+        return _plain_route_in_body(destination, tuple(remove), overflow, extra)
+    return _route_in_body(destination, remove, scores, body, overflow, extra)
 
 
 # Both caches are sized for every ordered pair of a 64-endpoint pool (a pick and a fallback).
 @functools.lru_cache(maxsize=4096)
 def _plain_route_in_body(
-    destination: str, remove: tuple[str, ...], overflow: str | None
+    destination: str, remove: tuple[str, ...], overflow: str | None, extra: Headers
 ) -> ext_proc_pb2.ProcessingResponse:
-    return _route_in_body(destination, remove, None, None, overflow)
+    return _route_in_body(destination, remove, None, None, overflow, extra)
 
 
 def _route_in_body(
@@ -155,9 +163,10 @@ def _route_in_body(
     scores: str | None,
     body: bytes | None,
     overflow: str | None,
+    extra: Headers = (),
 ) -> ext_proc_pb2.ProcessingResponse:
     length = None if body is None else len(body)
-    common, metadata = _routing(destination, remove, length, scores, overflow)
+    common, metadata = _routing(destination, remove, length, scores, overflow, extra)
     if body is not None:
         common.body_mutation.body = body
     return ext_proc_pb2.ProcessingResponse(

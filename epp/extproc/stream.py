@@ -492,6 +492,11 @@ class StreamHandler:
         OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))
         destination = ",".join(e.address for e in decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
+        extra: responses.Headers = ()
+        if decision.prefill is not None:
+            # Set, not also removed: Envoy applies removals after sets.
+            extra = ((decision.prefill_header, decision.prefill.address),)
+            remove = [h for h in remove if h != decision.prefill_header]
         scores = None
         config = self.context.generation.config
         if decision.scores is not None and config.routing.explains_to(
@@ -502,12 +507,13 @@ class StreamHandler:
         if self._full_duplex:
             size = sum(map(len, chunks))
             return (
-                responses.route_in_headers(destination, remove, size, scores),
+                responses.route_in_headers(destination, remove, size, scores, extra=extra),
                 *responses.stream_back(chunks),
                 *after,
             )
+        body_out = chunks[0] if rewritten else None
         return (
-            responses.route_in_body(destination, remove, scores, chunks[0] if rewritten else None),
+            responses.route_in_body(destination, remove, scores, body_out, extra=extra),
             *after,
         )
 

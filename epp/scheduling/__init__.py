@@ -1,10 +1,17 @@
 """Scheduling: a profile of producers, filters, weighted scorers and a picker, per request."""
 
-from epp.scheduling import filters, pickers, scorers
-from epp.scheduling.builder import PluginSpec, ProfileSpec, build_profile, profile_problems
+from epp.scheduling import deciders, filters, pickers, scorers
+from epp.scheduling.builder import (
+    PluginSpec,
+    ProfileSpec,
+    build_profile,
+    decider_problems,
+    profile_problems,
+)
 from epp.scheduling.data import DataKey, Input
 from epp.scheduling.framework import (
     Cycle,
+    Decider,
     Decision,
     Filter,
     Picker,
@@ -23,6 +30,7 @@ from epp.scheduling.framework import (
 __all__ = [
     "Cycle",
     "DataKey",
+    "Decider",
     "Decision",
     "Filter",
     "Input",
@@ -37,6 +45,8 @@ __all__ = [
     "Scorer",
     "build_profile",
     "create_plugin",
+    "decider_problems",
+    "deciders",
     "filters",
     "pickers",
     "plugin_class",

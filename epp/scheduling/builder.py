@@ -27,6 +27,8 @@ from epp.scheduling.data import DataKey, Derived, derived_from, derived_rules
 from epp.scheduling.filters.health import HealthFilter
 from epp.scheduling.filters.ready import ReadyEndpointFilter
 from epp.scheduling.framework import (
+    Decider,
+    DeciderParams,
     Filter,
     Picker,
     Plugin,
@@ -78,6 +80,8 @@ def _kind(cls: type[Plugin]) -> str:
         return "filter"
     if issubclass(cls, Picker):
         return "picker"
+    if issubclass(cls, Decider):
+        return "decider"
     return "producer"
 
 
@@ -114,6 +118,9 @@ def profile_problems(entries: Sequence[tuple[type[Plugin], str, float | None]]) 
     pickers = sum(1 for cls, _, _ in entries if issubclass(cls, Picker))
     if pickers != 1:
         problems.append(Problem(None, None, f"must list exactly one picker, found {pickers}"))
+    deciders = sum(1 for cls, _, _ in entries if issubclass(cls, Decider))
+    if deciders > 1:
+        problems.append(Problem(None, None, f"must list at most one decider, found {deciders}"))
     for i, (cls, name, _) in enumerate(entries):
         for need in cls.consumes:
             if need.required and not _available(need.key, produced):
@@ -163,6 +170,7 @@ def build_profile(spec: ProfileSpec) -> Profile:
     ]
     filters = sorted((p for p in plugins if isinstance(p, Filter)), key=lambda f: (f.stage, f.name))
     (picker,) = [p for p in by_name if isinstance(p, Picker)]
+    decider = next((p for p in by_name if isinstance(p, Decider)), None)
     return Profile(
         name=spec.name,
         filters=filters,
@@ -172,7 +180,34 @@ def build_profile(spec: ProfileSpec) -> Profile:
         prepare=[p for p in by_name if isinstance(p, Prepare)],
         producers=producers,
         derived=derived,
+        decider=decider,
     )
+
+
+def decider_problems(profiles: Mapping[str, ProfileSpec]) -> list[tuple[str, str]]:
+    """``(profile, message)`` for every decider whose prefill profile is missing,
+    itself, or disaggregates again (a prefill leg is never split once more)."""
+    problems = []
+    for name, spec in profiles.items():
+        for entry in spec.plugins:
+            if not isinstance(entry.params, DeciderParams):
+                continue
+            target = entry.params.prefill_profile
+            other = profiles.get(target)
+            if other is None or target == name:
+                what = "this profile" if target == name else "no profile"
+                problems.append(
+                    (
+                        name,
+                        f"{entry.name}: prefill_profile must name another profile, got "
+                        f"{target!r} ({what}; profiles: {', '.join(profiles)})",
+                    )
+                )
+            elif any(isinstance(p.params, DeciderParams) for p in other.plugins):
+                problems.append(
+                    (name, f"{entry.name}: prefill_profile {target!r} must not have a decider")
+                )
+    return problems
 
 
 def _dependency_order(producers: Sequence[tuple[str, type[Plugin]]]) -> list[str]:

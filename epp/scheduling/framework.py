@@ -28,10 +28,12 @@ from typing import Any, ClassVar, TypeVar
 from epp.errors import RequestError
 from epp.metrics.plugin_clock import Lap, PluginClock
 from epp.request import InferenceRequest
+from epp.roles import Role
 from epp.scheduling.data import DataKey, Derived, Input
-from epp.scheduling.params import NoParams, Params
+from epp.scheduling.params import NoParams, Params, param
 from epp.state.fleet import FleetState
 from epp.state.snapshot import EndpointState, Snapshot
+from epp.wire import PREFILL, PREFILL_HEADERS
 
 T = TypeVar("T")
 
@@ -50,6 +52,8 @@ class Cycle:
     # Relative endpoint capacity (configured; missing means 1.0).
     weights: Mapping[str, float] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
+    # Prefill/decode role of endpoints (epp.roles; missing means both).
+    roles: Mapping[str, Role] = field(default_factory=dict)
     _data: dict[DataKey[Any], Any] = field(default_factory=dict)
 
     def get(self, key: DataKey[T]) -> T | None:
@@ -143,6 +147,33 @@ class PostPick(Plugin):
     def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class DeciderParams(Params):
+    """``prefill_profile``: the profile that picks the prefill replica; ``header``: the
+    request header naming it to the decode replica's sidecar."""
+
+    prefill_profile: str = "prefill"
+    header: str = param(PREFILL, choices=PREFILL_HEADERS)
+
+
+class Decider(Plugin):
+    """Decides, once the decode replica is picked, whether a request is disaggregated: its
+    prefill run on a replica the ``prefill_profile`` picks, the KV handed to the decode one
+    (docs/pd.md). The answer names that replica in ``header``."""
+
+    params_type: ClassVar[type[Params]] = DeciderParams
+
+    def __init__(self, params: DeciderParams = DeciderParams()) -> None:
+        self.prefill_profile = params.prefill_profile
+        self.header = params.header
+
+    @abc.abstractmethod
+    def disaggregate(
+        self, request: InferenceRequest, decode: EndpointState, uncached: int, cycle: Cycle
+    ) -> bool:
+        """Whether to prefill elsewhere, given the prompt tokens ``decode`` does not cache."""
+
+
 C = TypeVar("C", bound=type[Plugin])
 _REGISTRY: dict[str, type[Plugin]] = {}
 
@@ -191,6 +222,11 @@ class Decision:
     scores: dict[str, dict[str, float]] | None = None
     # Why there are no endpoints: the filter's own error, when it has one.
     refusal: RequestError | None = None
+    # Disaggregated: the replica that runs the prefill, and the header naming it.
+    prefill: EndpointState | None = None
+    prefill_header: str = ""
+    # Why it was (not) disaggregated; filled only when asked to explain.
+    disaggregation: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -209,6 +245,7 @@ class Profile:
     post_pick: list[PostPick] = field(default_factory=list)
     prepare: list[Prepare] = field(default_factory=list)
     producers: list[Producer] = field(default_factory=list)
+    decider: Decider | None = None
     derived: list[Derived[Any]] = field(default_factory=list)
     clock: PluginClock = field(init=False)
     _producers: list[tuple[Producer, list[float]]] = field(init=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from epp.sim.engine import EngineConfig
+from epp.sim.kv_transfer import DEFAULT_BANDWIDTH, KVTransferConfig
 from epp.sim.profiles import PROFILES
 from epp.sim.replica import Replica, ReplicaConfig
 from epp.sim.request_queue import SchedulingPolicy
@@ -67,6 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", type=Path, default=BUNDLED_DIR, help="HF tokenizer directory")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="seed of the error_rate fault's draws")
+    p.add_argument(
+        "--kv-connector",
+        choices=["nixl", "shared-storage"],
+        help="hand over and take over prompt KV between replicas (prefill/decode, docs/pd.md)",
+    )
+    p.add_argument("--kv-shared-dir", help="shared-storage connector: the directory replicas share")
+    p.add_argument(
+        "--kv-transfer-bandwidth",
+        type=float,
+        default=DEFAULT_BANDWIDTH,
+        help="KV tokens per second moved between replicas",
+    )
     p.add_argument(
         "--scheduling-policy",
         choices=[p.value for p in SchedulingPolicy],
@@ -124,6 +137,15 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
     )
+    transfer = None
+    if args.kv_connector:
+        if args.kv_connector == "shared-storage" and not args.kv_shared_dir:
+            raise SystemExit("--kv-connector shared-storage needs --kv-shared-dir")
+        if args.kv_transfer_bandwidth <= 0:
+            raise SystemExit("--kv-transfer-bandwidth must be > 0")
+        transfer = KVTransferConfig(
+            args.kv_connector, args.kv_shared_dir, args.kv_transfer_bandwidth
+        )
     base = args.base_port if args.base_port is not None else args.port
     speeds = parse_speeds(args.speed, args.replicas)
     return [
@@ -140,6 +162,7 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             crash_exits_process=args.replicas == 1,
             seed=args.seed + i,
+            kv_transfer=transfer,
         )
         for i in range(args.replicas)
     ]

@@ -119,6 +119,9 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    # A KV connector's lookups (requests' tokens) and the tokens it loaded.
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 @dataclass

@@ -86,6 +86,16 @@ class EngineMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms "
+            "of number of cached tokens.",
+        )
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
@@ -158,6 +168,7 @@ class EngineMetrics:
         # No engine/model_name labels, as in vLLM.
         self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
         self._seen_prefix = (0, 0)
+        self._seen_external = (0, 0)
         self._seen_preemptions = 0
 
     def on_step(self, engine: Engine, batch: Batch | None) -> None:
@@ -188,6 +199,10 @@ class EngineMetrics:
         self.prefix_queries.inc(stats.queries - q)
         self.prefix_hits.inc(stats.hits - h)
         self._seen_prefix = (stats.queries, stats.hits)
+        eq, eh = self._seen_external
+        self.external_queries.inc(stats.external_queries - eq)
+        self.external_hits.inc(stats.external_hits - eh)
+        self._seen_external = (stats.external_queries, stats.external_hits)
         self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = sched.num_preemptions
 

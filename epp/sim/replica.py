@@ -17,6 +17,7 @@ from aiohttp import web
 from epp.sim.engine import Engine, EngineConfig
 from epp.sim.faults import Faults
 from epp.sim.kv_events import KVEventPublisher
+from epp.sim.kv_transfer import KVTransfer, KVTransferConfig
 from epp.sim.metrics import EngineMetrics
 from epp.sim.request import SimRequest
 from epp.sim.tokenization import SimTokenizer
@@ -38,6 +39,8 @@ class ReplicaConfig:
     # tests) it only drops this replica's listener and connections.
     crash_exits_process: bool = False
     seed: int = 0
+    # A KV connector (prefill/decode disaggregation), or None.
+    kv_transfer: KVTransferConfig | None = None
 
     @property
     def address(self) -> str:
@@ -70,6 +73,11 @@ class Replica:
             else None
         )
         self.engine = Engine(ecfg, self._next_token, self.metrics, self.events)
+        self.kv_transfer = (
+            None
+            if config.kv_transfer is None
+            else KVTransfer(config.kv_transfer, config.host, config.port, ecfg.block_size)
+        )
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
 

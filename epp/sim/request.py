@@ -40,6 +40,9 @@ class SimRequest:
     num_preemptions: int = 0
     # Prompt tokens served from the prefix cache at first admission (usage.cached_tokens).
     num_cached_tokens: int | None = None
+    # On a replica with a KV connector: prompt tokens another replica computed, loaded at
+    # first admission instead of prefilled (0: none); None without a connector.
+    external_tokens: int | None = None
     queued_time: float | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -107,12 +107,17 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            loaded = self._loaded(req, num_hit)
+            n = min(req.num_tokens - num_hit - loaded, budget)
+            # Loaded tokens take blocks like computed ones (and are cached once full).
+            if not self.kv.allocate_slots(req, loaded + n, hits):
                 break
             self.kv.record_prefix_cache_stats(req, num_hit)
+            if req.external_tokens is not None and req.scheduled_time is None:
+                self.kv.stats.external_queries += req.num_tokens
+                self.kv.stats.external_hits += loaded
             self.waiting.pop()
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + loaded
             req.status = Status.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
@@ -124,6 +129,14 @@ class Scheduler:
             budget -= n
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    @staticmethod
+    def _loaded(req: SimRequest, num_hit: int) -> int:
+        """Tokens a KV connector loads at the request's first admission: those it brought
+        (epp.sim.kv_transfer) past what the local prefix cache already holds."""
+        if not req.external_tokens or req.scheduled_time is not None:
+            return 0
+        return max(0, req.external_tokens - num_hit)
 
     def preempt_all(self) -> None:
         """Send every running request back to the waiting queue (vLLM's reset_prefix_cache

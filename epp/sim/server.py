@@ -142,6 +142,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         # vLLM's sha256 block hashes cost a few us per block: hash a long prompt in a worker
         # thread (the engine then finds them cached) rather than stall every replica's loop.
         await asyncio.to_thread(req.block_hashes, engine.config.block_size)
+    transfer = replica.kv_transfer
+    transfer_params = body.get("kv_transfer_params")
+    if transfer is not None:
+        req.external_tokens = transfer.loadable(req, transfer_params)
+        if req.external_tokens:
+            await asyncio.sleep(transfer.seconds(req.external_tokens) * engine.config.time_scale)
     engine.submit(req)
     try:
         if params.stream:
@@ -154,7 +160,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if req.status is not Status.FINISHED:
             raise APIError(500, "request aborted")
         use = _usage(replica, req)
-        return _json(shape.full(tok.decode(ids), "length", use))
+        answer = shape.full(tok.decode(ids), "length", use)
+        if transfer is not None:
+            answer["kv_transfer_params"] = transfer.handed_over(req, transfer_params)
+        return _json(answer)
     finally:
         engine.abort(req)
 

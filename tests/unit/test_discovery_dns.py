@@ -142,6 +142,9 @@ def test_config_accepts_the_agreed_shape() -> None:
     assert parse_discovery({"dns": {"name": "sim", "port": 80, "resolver": "127.0.0.1:5353"}}) == (
         DnsSpec("sim", 80, 1.0, ("127.0.0.1", 5353))
     )
+    assert parse_discovery({"dns": {"name": "sim", "port": 80, "role": "prefill-decode"}}) == (
+        DnsSpec("sim", 80, 1.0, role="both")
+    )
 
 
 @pytest.mark.parametrize(
@@ -156,6 +159,11 @@ def test_config_accepts_the_agreed_shape() -> None:
         ({"discovery": {"dns": {"name": "a", "port": 1, "interval": 0}}}, "dns.interval"),
         ({"discovery": {"dns": {"name": "a", "port": 1, "resolver": "x"}}}, "dns.resolver"),
         ({"discovery": {"dns": {"name": "a", "port": 1, "ttl": 3}}}, "dns.ttl: unknown key"),
+        ({"discovery": {"dns": {"name": "a", "port": 1, "role": "x"}}}, "dns.role: must be one"),
+        (
+            {"endpoints": [{"address": "127.0.0.1:1", "role": "prefil"}]},
+            r"pools.main.endpoints\[0\].role: must be one of prefill, decode, both",
+        ),
         ({"discovery": {"kubernetes": {"pool_name": "Bad_Name"}}}, "kubernetes.pool_name"),
         (
             {"discovery": {"dns": {"name": "a", "port": 1}, "kubernetes": {"pool_name": "p"}}},

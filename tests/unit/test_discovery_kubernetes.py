@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import pytest
 
 from epp.discovery.kubernetes import KubernetesSource
 from epp.discovery.spec import KubernetesSpec
+from epp.roles import ROLE_LABEL, Role
 from tests.helpers.fake_kube import FakeKube, inference_pool, pod
 
 WITHIN = 1.0
@@ -21,10 +22,12 @@ APP = {"app": "vllm"}
 class Recorder:
     def __init__(self) -> None:
         self.sets: list[frozenset[str]] = []
+        self.roles: Mapping[str, Role] = {}
         self._changed = asyncio.Event()
 
-    def __call__(self, members: frozenset[str]) -> None:
+    def __call__(self, members: frozenset[str], roles: Mapping[str, Role] | None = None) -> None:
         self.sets.append(members)
+        self.roles = dict(roles or {})
         self._changed.set()
 
     async def wait_for(self, expected: set[str], within: float = WITHIN) -> float:
@@ -81,6 +84,21 @@ async def test_pods_added_made_unready_and_deleted(kube: FakeKube, seen: Recorde
     watches = _watches(kube, "pods")
     assert watches
     assert all(q["allowWatchBookmarks"] == "true" and q["resourceVersion"] for q in watches)
+
+
+async def test_role_label_is_published_with_the_endpoints(kube: FakeKube, seen: Recorder) -> None:
+    await seen.wait_for({"10.0.0.1:8000"})
+    kube.put("pods", pod("p", "10.0.0.4", {**APP, ROLE_LABEL: "prefill"}))
+    kube.put("pods", pod("d", "10.0.0.5", {**APP, ROLE_LABEL: "decode"}))
+    kube.put("pods", pod("both", "10.0.0.6", {**APP, ROLE_LABEL: "prefill-decode"}))
+    kube.put("pods", pod("odd", "10.0.0.7", {**APP, ROLE_LABEL: "sideways"}))
+    await seen.wait_for({f"10.0.0.{i}:8000" for i in (1, 4, 5, 6, 7)})
+    # No label or an unknown value: no role (both), as llm-d's decode filter accepts them.
+    assert seen.roles == {
+        "10.0.0.4:8000": "prefill",
+        "10.0.0.5:8000": "decode",
+        "10.0.0.6:8000": "both",
+    }
 
 
 async def test_closed_watch_resumes_from_last_version(kube: FakeKube, seen: Recorder) -> None:

@@ -142,3 +142,37 @@ def test_pool_name_flag_picks_the_pool() -> None:
     assert kubernetes_override({"main": ()}, "vllm-pool", "prod") == {"main": spec}
     with pytest.raises(ValueError, match="several pools"):
         kubernetes_override({"a": (), "b": ()}, "vllm-pool", "prod")
+
+
+async def test_roles_merge_the_file_dns_and_what_sources_learned(changes: list[int]) -> None:
+    config = parse_config(
+        {
+            "models": {"m": {"pools": ["main", "fixed", "kube"]}},
+            "pools": {
+                "main": {"discovery": {"dns": {"name": "pre", "port": 8000, "role": "prefill"}}},
+                "fixed": {"endpoints": [{"address": "10.0.0.9:8000", "role": "decode"}]},
+                "kube": {"discovery": {"kubernetes": {"pool_name": "p"}}},
+            },
+        }
+    )
+    assert config.roles == {"10.0.0.9:8000": "decode"}
+    discovery = Discovery(lambda: changes.append(1), make=Controlled)
+    discovery.configure(config)
+    await _settle()
+    dns = Controlled.live[DnsSpec("pre", 8000, role="prefill")]
+    kube = Controlled.live[KubernetesSpec("p")]
+    assert dns.publish is not None
+    assert kube.publish is not None
+    dns.publish(frozenset({"10.0.0.1:8000"}))
+    kube.publish(frozenset({"10.0.1.1:8000", "10.0.1.2:8000"}), {"10.0.1.1:8000": "decode"})
+    merged = replace(config, roles=discovery.roles(config))
+    assert merged.roles == {
+        "10.0.0.9:8000": "decode",
+        "10.0.0.1:8000": "prefill",
+        "10.0.1.1:8000": "decode",
+    }
+    # The Pod lost its label: a role learned before never outlives the source's latest word.
+    kube.publish(frozenset({"10.0.1.1:8000", "10.0.1.2:8000"}), {})
+    assert len(changes) == 4
+    assert discovery.roles(merged) == {"10.0.0.9:8000": "decode", "10.0.0.1:8000": "prefill"}
+    await discovery.stop()

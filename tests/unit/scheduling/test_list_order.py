@@ -20,6 +20,7 @@ import yaml
 from epp.config import DEFAULT_PROFILE, parse_config
 from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
+from epp.roles import Role
 from epp.scheduling import Cycle, PluginSpec, Profile, build_profile
 from epp.scheduling.pickers.max_score import MaxScoreParams
 from epp.state import EndpointMetrics, EndpointState, Snapshot
@@ -38,13 +39,17 @@ BASE: dict[str, Any] = {
 }
 
 
-Shipped = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+# Two prefill replicas, for the prefill/decode profiles' role filters (others ignore roles).
+ROLES: dict[str, Role] = {EPS[5]: "prefill", EPS[6]: "prefill"}
+
+# (declarations, the profile's list, every profile of its file: a decider names another one)
+Shipped = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]
 
 
 def shipped_profiles() -> dict[str, Shipped]:
     """Every profile shipped in code, benchmark profiles, and docs or envoy examples: its
     ``scheduling.plugins`` declarations and its list."""
-    found: dict[str, Shipped] = {"epp.config.DEFAULT_PROFILE": ([], DEFAULT_PROFILE)}
+    found: dict[str, Shipped] = {"epp.config.DEFAULT_PROFILE": ([], DEFAULT_PROFILE, {})}
     sources: list[tuple[str, Any]] = []
     for path in sorted((ROOT / "benchmarks" / "profiles").rglob("*.yaml")):
         sources.append((path.name, yaml.safe_load(path.read_text()).get("epp")))
@@ -58,8 +63,9 @@ def shipped_profiles() -> dict[str, Shipped]:
         if scheduling is None:
             continue  # runs the built-in default, already listed
         declared = scheduling.get("plugins") or []
-        for name, entries in (scheduling.get("profiles") or {}).items():
-            found[f"{where}: {name}"] = (declared, entries)
+        profiles = scheduling.get("profiles") or {}
+        for name, entries in profiles.items():
+            found[f"{where}: {name}"] = (declared, entries, profiles)
     return found
 
 
@@ -79,8 +85,13 @@ def test_every_kind_of_shipped_profile_is_found() -> None:
         assert expected in names, names
 
 
-def built(entries: list[dict[str, Any]], declared: list[dict[str, Any]] | None = None) -> Profile:
-    scheduling = {"profile": "p", "plugins": declared or [], "profiles": {"p": entries}}
+def built(
+    entries: list[dict[str, Any]],
+    declared: list[dict[str, Any]] | None = None,
+    others: dict[str, Any] | None = None,
+) -> Profile:
+    profiles = {**(others or {}), "p": entries}
+    scheduling = {"profile": "p", "plugins": declared or [], "profiles": profiles}
     spec = parse_config({**BASE, "scheduling": scheduling}).scheduling.selected
     # A fixed tie-break, so that only list order could tell two runs apart.
     seeded = tuple(
@@ -160,7 +171,7 @@ def decisions(profile: Profile) -> list[tuple[list[str], dict[str, dict[str, flo
     weights = {EPS[0]: 2.0}
     out = []
     for i, request in enumerate(requests()):
-        cycle = Cycle(Snapshot(), fleet, weights, now=NOW + 0.01 * i)
+        cycle = Cycle(Snapshot(), fleet, weights, now=NOW + 0.01 * i, roles=ROLES)
         decision = profile.run(request, list(candidates), cycle, count=2, explain=True)
         out.append(([e.address for e in decision.endpoints], decision.scores))
     return out
@@ -168,15 +179,16 @@ def decisions(profile: Profile) -> list[tuple[list[str], dict[str, dict[str, flo
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_shuffled_profiles_decide_and_score_identically(name: str) -> None:
-    declared, entries = PROFILES[name]
-    expected = decisions(built(entries, declared))
+    declared, entries, others = PROFILES[name]
+    expected = decisions(built(entries, declared, others))
     scored = [s for _, scores in expected if scores for s in scores.values()]
     assert scored, "no request was scored: the comparison would prove nothing"
     rng = random.Random(name)
     for _ in range(SHUFFLES):
         shuffled = list(entries)
         rng.shuffle(shuffled)
-        assert decisions(built(shuffled, declared)) == expected, [e["plugin"] for e in shuffled]
+        shuffled_profile = built(shuffled, declared, others)
+        assert decisions(shuffled_profile) == expected, [e["plugin"] for e in shuffled]
 
 
 def test_the_ttft_estimate_reads_cached_tokens_before_or_after_the_prefix_scorer() -> None:

@@ -183,3 +183,21 @@ def test_preempt_all_requeues_running_requests_in_order() -> None:
     assert sched.running == []
     assert list(sched.waiting) == [a, b]
     assert sched.kv.pool.num_used == 0
+
+
+def test_loaded_tokens_are_not_prefilled_but_hold_blocks_and_cache() -> None:
+    sched = make()
+    r = req("pd", list(range(1, 30)))
+    r.external_tokens = 28
+    sched.add(r)
+    batch = sched.schedule(0.0)
+    assert batch.num_tokens == {r: 1}  # only the last prompt token is computed
+    assert r.num_computed_tokens == 28
+    assert len(sched.kv.req_blocks[r]) == 8
+    assert sched.kv.stats.external_hits == 28
+    complete(sched, batch)
+    # The loaded blocks are cached: the same prompt elsewhere hits them locally.
+    again = req("again", list(range(1, 30)))
+    sched.add(again)
+    assert sched.schedule(0.0).num_tokens[again] == 1
+    assert sched.kv.stats.hits == 28
