@@ -45,6 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "benchmarks" / "baselines" / "instructions.json"
 REPORT = ROOT / "benchmarks" / "results" / "instructions.md"
 POINTS = ["buffered 1KB", "buffered 8KB", "full-duplex 1KB", "full-duplex 8KB"]
+# Requests before the windows, windows per point (odd: the median is one of them), requests
+# per window.
+DEFAULT_SETTINGS = {"warmup": 50, "windows": 9, "window": 20}
 # Growth over the baseline that fails the check, unless the baseline file states its own.
 DEFAULT_TOLERANCE = 0.02
 # The libraries whose code runs per request besides epp's: a baseline recorded with other
@@ -210,9 +213,8 @@ def load_baseline(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=50, help="requests before the windows")
-    parser.add_argument("--windows", type=int, default=9, help="windows per point (odd)")
-    parser.add_argument("--window", type=int, default=20, help="requests per window")
+    for name, value in DEFAULT_SETTINGS.items():
+        parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--point", action="append", choices=POINTS, help="default: all")
     parser.add_argument("--baseline", type=Path, default=BASELINE)
     parser.add_argument("--report", type=Path, default=REPORT)

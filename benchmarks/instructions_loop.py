@@ -18,7 +18,7 @@ What would make the counts differ from run to run is removed here:
 - string hashing is fixed by ``PYTHONHASHSEED=0``, which this script insists on.
 
 Usage (through ``python -m benchmarks.instructions``, which runs it under valgrind):
-``python -m benchmarks.instructions_loop [--warmup 50] [--windows 9] [--window 20] POINT...``,
+``python -m benchmarks.instructions_loop --warmup N --windows N --window N POINT...``,
 each POINT a handler_cpu key such as ``"buffered 1KB"``.
 """
 
@@ -83,9 +83,9 @@ def run(points: list[str], warmup: int, windows: int, window: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=50, help="requests before the windows")
-    parser.add_argument("--windows", type=int, default=9)
-    parser.add_argument("--window", type=int, default=20, help="requests per window")
+    parser.add_argument("--warmup", type=int, required=True, help="requests before the windows")
+    parser.add_argument("--windows", type=int, required=True)
+    parser.add_argument("--window", type=int, required=True, help="requests per window")
     parser.add_argument("point", nargs="+", help='a body mode and a prompt size: "buffered 1KB"')
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
