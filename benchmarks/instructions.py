@@ -118,8 +118,10 @@ def measure(
     valgrind: str, points: Sequence[str], warmup: int, windows: int, window: int
 ) -> dict[str, Figure]:
     """Run the loop under callgrind; each point's figure from its windows' dumps."""
-    # Byte-code compiled first: a module compiled during the run rather than read from its
-    # .pyc leaves the heap laid out differently, which moves the counts by ~0.05%.
+    # Every .pyc written afresh, the same way each run: the bytes of the code objects loaded
+    # decide where later objects land in the heap, which moves the counts by up to ~0.1%, and
+    # a .pyc written by an import differs from one written by compileall (marshal's output
+    # depends on reference counts).
     compileall = [sys.executable, "-m", "compileall", "-q", "-f", "epp", "benchmarks"]
     subprocess.run(compileall, cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory(prefix="epp-callgrind-") as tmp:
@@ -178,13 +180,13 @@ def table(figures: Mapping[str, Figure], verdicts: Sequence[Verdict]) -> str:
 def report(
     figures: Mapping[str, Figure],
     verdicts: Sequence[Verdict],
+    tolerance: float,
     settings: Mapping[str, int],
     found: Mapping[str, str],
     recorded: Mapping[str, str],
 ) -> str:
     """The report file: the table, how it was made and what it was made with."""
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    tolerance = verdicts[0].tolerance if verdicts else DEFAULT_TOLERANCE
     differs = [f"{k} {recorded.get(k)} -> {v}" for k, v in found.items() if recorded.get(k) != v]
     return "\n".join(
         [
@@ -228,11 +230,11 @@ def main() -> None:
     if valgrind is None:
         sys.exit("valgrind is not installed (Debian: apt-get install valgrind)")
     points = args.point or POINTS
-    settings = {"warmup": args.warmup, "windows": args.windows, "window": args.window}
+    settings: dict[str, int] = {name: getattr(args, name) for name in DEFAULT_SETTINGS}
     baseline = load_baseline(args.baseline)
     tolerance = float(baseline["tolerance"])
     found = environment(valgrind)
-    figures = measure(valgrind, points, args.warmup, args.windows, args.window)
+    figures = measure(valgrind, points, **settings)
     measured = {point: round(figure.median) for point, figure in figures.items()}
     if args.update_baseline:
         recorded = baseline["instructions_per_request"] | measured
@@ -241,7 +243,7 @@ def main() -> None:
         args.baseline.parent.mkdir(parents=True, exist_ok=True)
         args.baseline.write_text(json.dumps(baseline, indent=2) + "\n")
     verdicts = compare(measured, baseline["instructions_per_request"], tolerance)
-    text = report(figures, verdicts, settings, found, baseline["environment"])
+    text = report(figures, verdicts, tolerance, settings, found, baseline["environment"])
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(text)
     print(text)
