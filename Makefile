@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: bootstrap run run-ha test test-compose lint unit e2e contract protos bench-overhead bench-multi-epp clean
+.PHONY: bootstrap run run-ha test test-compose lint unit e2e contract protos bench-overhead bench-multi-epp bench-instructions clean
 
 bootstrap: $(STAMP)
 
@@ -55,6 +55,9 @@ bench-overhead: $(STAMP)  ## what epp adds through Envoy; writes benchmarks/resu
 
 bench-multi-epp: $(STAMP)  ## decisions/s with 1, 2, 4 epp processes; pick propagation delay
 	$(PY) -m benchmarks.multi_epp
+
+bench-instructions: $(STAMP)  ## instructions per request under callgrind; fails over the baseline
+	$(PY) -m benchmarks.instructions
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -28,9 +28,9 @@ import asyncio
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -143,7 +143,8 @@ def drive(router: Router, batch: list[Request], streams: int = 1) -> None:
                 router.finish(handler.ticket)
 
 
-def _body(size: str) -> bytes:
+def completion_request(size: str) -> bytes:
+    """A completions request whose prompt is ``size`` long."""
     length = SIZES[size]
     prompt = ("lorem ipsum dolor sit amet " * (length // 27 + 1))[:length]
     return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
@@ -151,7 +152,7 @@ def _body(size: str) -> bytes:
 
 async def _best(size: str, mode: str, requests: int, repeat: int, run: Driver) -> float:
     """Minimum CPU µs per request of ``run`` over ``repeat`` passes (after one warm-up pass)."""
-    body = _body(size)
+    body = completion_request(size)
     best = float("inf")
     for attempt in range(repeat + 1):
         batch = [messages(i, body, mode) for i in range(requests)]
@@ -163,21 +164,28 @@ async def _best(size: str, mode: str, requests: int, repeat: int, run: Driver) -
     return best
 
 
-async def measure(size: str, mode: str, requests: int, repeat: int, streams: int = 1) -> float:
-    """epp's handler: minimum CPU µs per request, ``streams`` requests open at once."""
-    config = parse_config(
-        {
-            "models": {"tiny": {"pools": ["main"]}},
-            "pools": {"main": {"endpoints": ENDPOINTS}},
-            "routing": {"max_body_bytes": 4 * 1024 * 1024},
-        }
-    )
+async def build_router(scheduling: Mapping[str, Any] | None = None) -> Router:
+    """The benchmark's router: one model on three fresh, idle, ready endpoints; the default
+    profile unless ``scheduling`` (the configuration's section) says otherwise."""
+    raw: dict[str, Any] = {
+        "models": {"tiny": {"pools": ["main"]}},
+        "pools": {"main": {"endpoints": ENDPOINTS}},
+        "routing": {"max_body_bytes": 4 * 1024 * 1024},
+    }
+    if scheduling is not None:
+        raw["scheduling"] = scheduling
+    config = parse_config(raw)
     store = MemoryStore()
     for address in ENDPOINTS:
         # Scraped "now" for the whole run: fresh, idle and ready.
         state = EndpointState(address, "main", True, EndpointMetrics(), time.time() + 3600)
         await store.put_endpoint(state)
-    router = Router(config, FleetState(store))
+    return Router(config, FleetState(store))
+
+
+async def measure(size: str, mode: str, requests: int, repeat: int, streams: int = 1) -> float:
+    """epp's handler: minimum CPU µs per request, ``streams`` requests open at once."""
+    router = await build_router()
 
     async def run(batch: list[Request]) -> None:
         drive(router, batch, streams)
