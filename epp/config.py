@@ -7,7 +7,7 @@ Shape (every section optional except ``models`` and ``pools``)::
     pools:    {POOL: {endpoints: [host:port | {address, weight, kv_events, role}, ...]}
                     | {discovery: {dns: {...}} | {kubernetes: {...}}},
                      metrics_tls: {ca, cert, key, server_name},  (docs/discovery.md, security.md)
-                     overflow: [OVERFLOW, ...],
+                     overflow: [OVERFLOW, ...], engine: vllm|sglang,  (sglang.md)
                      epp_unreachable: fail_closed|fail_open}  (active-active.md)
     overflow: {OVERFLOW: {gateway: [host:port, ...], endpoints: [host:port, ...], max_requests}}
               (spillover, docs/admission.md)
@@ -272,6 +272,9 @@ class SchedulingConfig:
 
 
 AdmissionMode = Literal["off", "shed", "queue"]
+# What serves a pool's replicas (docs/sglang.md): decides how their /metrics page reads.
+Engine = Literal["vllm", "sglang"]
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
 AdmissionScope = Literal["group", "local"]
 
 
@@ -324,6 +327,8 @@ class Config:
     # Pools with ``epp_unreachable: fail_open``: when no epp answers, Envoy routes their
     # requests itself (least request over the pool's replicas) instead of answering 503.
     fail_open: frozenset[str] = frozenset()
+    # The serving engine of each pool whose replicas are not vLLM (how their /metrics read).
+    engines: Mapping[str, Engine] = field(default_factory=dict)
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -387,6 +392,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         discovery=pools.discovery,
         metrics_tls=pools.metrics_tls,
         fail_open=frozenset(pools.fail_open),
+        engines=pools.engines,
         source=source,
     )
     if errors:
@@ -545,13 +551,14 @@ class _Pools(NamedTuple):
     discovery: dict[str, DiscoverySpec]
     metrics_tls: dict[str, ClientTls]
     fail_open: set[str]
+    engines: dict[str, Engine]
 
 
 EPP_UNREACHABLE = ("fail_closed", "fail_open")
 
 
 def _pools(node: _Node) -> _Pools:
-    pools = _Pools({}, {}, {}, {}, {}, {}, set())
+    pools = _Pools({}, {}, {}, {}, {}, {}, set(), {})
     seen: dict[str, str] = {}
     for name, pool in node.items():
         pools.endpoints[name] = _pool(name, pool, pools, seen)
@@ -564,7 +571,12 @@ def _pool(name: str, pool: _Node, into: _Pools, seen: dict[str, str]) -> tuple[s
     """One pool's endpoint addresses; weights, KV-event addresses, a discovery source and how
     to scrape over https go to ``into`` (a discovered pool starts empty: epp.discovery fills it
     at run time)."""
-    pool.only("endpoints", "discovery", "metrics_tls", "overflow", "epp_unreachable")
+    pool.only("endpoints", "discovery", "metrics_tls", "overflow", "epp_unreachable", "engine")
+    engine = pool.get("engine", str, "vllm")
+    if engine not in ENGINES:
+        pool.at("engine").report(f"must be one of {', '.join(ENGINES)}, got {engine!r}")
+    elif engine != "vllm":
+        into.engines[name] = cast(Engine, engine)
     unreachable = pool.get("epp_unreachable", str, "fail_closed")
     if unreachable not in EPP_UNREACHABLE:
         pool.at("epp_unreachable").report(

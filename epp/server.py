@@ -338,6 +338,7 @@ class Server:
         scraped = config.spillover.endpoints() | endpoints
         if self.shared is not None:
             self.shared.set_endpoints(scraped)
+        self.scraper.set_engines(config.engines)
         self.scraper.set_endpoints(scraped)
         self.fleet.health.configure(config.health, endpoints)
         self.fleet.latency.configure(config.weights, endpoints)

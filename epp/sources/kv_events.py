@@ -19,6 +19,18 @@ Accepted payload shapes (vLLM's ``vllm/distributed/kv_events.py`` across version
 - block hashes: uint64, or int64 from some producers (same bits), or bytes (releases that
   published raw digests; vLLM's integer form is the digest's last 8 bytes, used here too).
 
+SGLang (``--kv-events-config``, same JSON) publishes the same wire format, read by the same
+code: python/sglang/srt/disaggregation/kv_events.py (sgl-project/sglang commit
+612d579090db24ec7c47cc5ca6b83e0c649b8c28, and later ones) defines ``[ts, [event, ...],
+attn_dp_rank]`` batches of msgspec ``array_like`` tagged events whose fields are a prefix of
+vLLM's: ``BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id`` then,
+in later releases, ``medium`` (``GPU``, ``CPU_PINNED``, ``DISK``, ``EXTERNAL``); ``BlockRemoved:
+block_hashes`` then ``medium``. Its radix cache sends one event per page with signed 64-bit
+hashes (masked to the same bits here) and no adapter name. Two SGLang shapes are skipped, as
+no request epp keys could match them: a ``BlockStored`` carrying a ``metadata`` map after
+``medium`` (``BlockStoredWithMetadata``: blocks hashed with a ``cache_salt``) and pages whose
+token ids are pairs (EAGLE's bigram keys).
+
 Events that do not describe the GPU prefix cache of the main attention group (CPU offload
 tiers, sliding-window groups of hybrid models) are skipped: their hashes would double-count.
 
@@ -151,12 +163,16 @@ def decode_event(raw: Any) -> Event | None:
     hashes = _hashes(fields.get("block_hashes"))
     if kind == "BlockRemoved":
         return BlockRemoved(hashes)
+    if isinstance(fields.get("lora_name"), dict):
+        return None  # SGLang's salted blocks: the salt is in their hash, not in our keys
     parent = fields.get("parent_block_hash")
     token_ids = fields.get("token_ids")
     block_size = fields.get("block_size")
     extra_keys = fields.get("extra_keys")
     if not isinstance(token_ids, list) or not isinstance(block_size, int):
         raise MalformedMessage("BlockStored needs token_ids and block_size")
+    if token_ids and isinstance(token_ids[0], list):
+        return None  # SGLang's bigram pages (EAGLE): keys of token pairs, not of a prompt
     if extra_keys is not None and not isinstance(extra_keys, list):
         raise MalformedMessage("BlockStored extra_keys must be a list")
     lora_name = fields.get("lora_name")

@@ -1,4 +1,7 @@
-"""Poll every vLLM replica's ``/metrics`` and keep its :class:`EndpointState` in the store.
+"""Poll every replica's ``/metrics`` and keep its :class:`EndpointState` in the store.
+
+Each pool's page is read by its engine's parser (:mod:`epp.sources.vllm_metrics` by default,
+:mod:`epp.sources.sglang_metrics` for ``engine: sglang`` pools).
 
 One task per endpoint, each awaiting its own scrape before sleeping, so scrapes of one endpoint
 never overlap and a slow or dead endpoint only delays itself. Each task keeps its endpoint's
@@ -36,11 +39,16 @@ from epp.observability import (
     forget_endpoint_responses,
 )
 from epp.sources.metrics_client import MetricsConnection
+from epp.sources.sglang_metrics import parse_sglang_metrics
 from epp.sources.vllm_metrics import parse_vllm_metrics
 from epp.state.snapshot import EndpointMetrics, EndpointState
 from epp.state.store import StateStore
 
 log = logging.getLogger(__name__)
+
+# Reads one engine's /metrics page; raises ValueError for a page that is not that engine's.
+Parser = Callable[[str], EndpointMetrics]
+PARSERS: Mapping[str, Parser] = {"vllm": parse_vllm_metrics, "sglang": parse_sglang_metrics}
 
 # Each period is interval * U(1 - JITTER, 1 + JITTER): endpoints start at random phases and keep
 # drifting apart, so they are not polled in lockstep even after a shared outage re-aligned them.
@@ -89,6 +97,7 @@ class MetricsScraper:
         self._owns = owns or (lambda _address: True)
         self._wanted: dict[str, str] = {}
         self._tls: dict[str, tuple[ssl.SSLContext, str | None]] = {}
+        self._parsers: dict[str, Parser] = {}
         self._endpoints: dict[str, _Endpoint] = {}
         self._started = False
         # Retain calls in flight; kept so stop() can wait for them and they are not collected.
@@ -127,6 +136,16 @@ class MetricsScraper:
         """Scrape the replicas of these pools over https with (context, server name to verify,
         default the endpoint's IP); every other pool over http. Applies from the next scrape."""
         self._tls = dict(pools)
+
+    def set_engines(self, pools: Mapping[str, str]) -> None:
+        """Read the pages of these pools (pool -> engine name, a key of :data:`PARSERS`) with
+        their engine's parser; every other pool's as vLLM's. Applies from the next scrape; a
+        changed parser also parses an unchanged page again."""
+        parsers = {pool: PARSERS[engine] for pool, engine in pools.items()}
+        if parsers != self._parsers:
+            for endpoint in self._endpoints.values():
+                endpoint.page = b""
+        self._parsers = parsers
 
     async def start(self) -> None:
         if self._started:
@@ -215,7 +234,8 @@ class MetricsScraper:
             async with asyncio.timeout(self._timeout):
                 page = await endpoint.connection.fetch(self._tls.get(endpoint.pool))
             if page != endpoint.page:
-                metrics = parse_vllm_metrics(page.decode("utf-8", "replace"))
+                parse = self._parsers.get(endpoint.pool, parse_vllm_metrics)
+                metrics = parse(page.decode("utf-8", "replace"))
                 endpoint.page = page
             else:
                 metrics = endpoint.metrics

@@ -126,7 +126,7 @@ class _LoraInfo(NamedTuple):
 # label set it ever published, so the number of distinct texts is small.
 @functools.lru_cache(maxsize=1024)
 def _cache_config(label_text: str) -> tuple[str, int | None, int | None]:
-    labels = _parse_labels(label_text)
+    labels = parse_labels(label_text)
     return (
         labels.get("engine", ""),
         _positive_int(labels.get("block_size")),
@@ -136,7 +136,7 @@ def _cache_config(label_text: str) -> tuple[str, int | None, int | None]:
 
 @functools.lru_cache(maxsize=1024)
 def _lora_info(label_text: str) -> _LoraInfo:
-    labels = _parse_labels(label_text)
+    labels = parse_labels(label_text)
     return _LoraInfo(
         engine=labels.get("engine", ""),
         running=_split_list(labels.get("running_lora_adapters", "")),
@@ -145,7 +145,7 @@ def _lora_info(label_text: str) -> _LoraInfo:
     )
 
 
-def _parse_labels(text: str) -> dict[str, str]:
+def parse_labels(text: str) -> dict[str, str]:
     """``a="x",b="y\\"z"`` -> ``{"a": "x", "b": 'y"z'}``; malformed pairs are skipped."""
     if not text:
         return {}
