@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="served model name")
     p.add_argument("--profile", choices=sorted(PROFILES), default="h100")
     p.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="whose /metrics names and KV-event format to speak (docs/sglang.md)",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -163,6 +169,7 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
             crash_exits_process=args.replicas == 1,
             seed=args.seed + i,
             kv_transfer=transfer,
+            speaks=args.engine,
         )
         for i in range(args.replicas)
     ]

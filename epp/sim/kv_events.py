@@ -5,6 +5,12 @@ Wire layout: 3 frames [topic, seq as uint64 big-endian, msgpack payload]; the pa
 raised during one engine step go out as one batch when the step's compute is over (vLLM
 publishes them from update_from_output), and events raised between steps (AllBlocksCleared
 after /reset_prefix_cache) wait for the next step; seq counts batches from 0.
+
+:class:`SGLangEventPublisher` speaks SGLang's variant of the same wire format instead
+(``epp sim --engine sglang``; python/sglang/srt/disaggregation/kv_events.py and the radix
+cache's event mixin, sgl-project/sglang): events are positional arrays tagged by their first
+element (msgspec ``array_like``), one ``BlockStored`` per page, block hashes signed 64-bit,
+no LoRA name, and the batch's third element is the attention data-parallel rank.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.block_size = block_size
         self.lora_ids = lora_ids
-        self.pending: list[dict[str, Any]] = []
+        self.pending: list[Any] = []
         self.outbox: list[list[bytes]] = []  # encoded batches not sent yet
         self.seq = 0
         self._sock: zmq.asyncio.Socket | None = None
@@ -90,7 +96,7 @@ class KVEventPublisher:
             self.outbox.append(self.encode_batch())
             self._ready.set()
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: Any) -> None:
         self.pending.append(event)
 
     def encode_batch(self) -> list[bytes]:
@@ -110,3 +116,41 @@ class KVEventPublisher:
             for frames in batches:
                 if self._sock is not None:
                     await self._sock.send_multipart(frames)
+
+
+class SGLangEventPublisher(KVEventPublisher):
+    """The same events as SGLang's radix cache publishes them."""
+
+    def block_stored(
+        self, hashes: list[int], parent: int | None, token_ids: list[int], lora: str | None
+    ) -> None:
+        # SGLang: [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium],
+        # one event per page, each naming the previous page as its parent. Its events carry no
+        # adapter (lora_id is always None).
+        size = self.block_size
+        for i, block_hash in enumerate(hashes):
+            self._add(
+                [
+                    "BlockStored",
+                    [_signed(block_hash)],
+                    None if parent is None else _signed(parent),
+                    token_ids[i * size : (i + 1) * size],
+                    size,
+                    None,
+                    MEDIUM,
+                ]
+            )
+            parent = block_hash
+
+    def block_removed(self, hashes: list[int]) -> None:
+        for block_hash in hashes:
+            self._add(["BlockRemoved", [_signed(block_hash)], MEDIUM])
+
+    def all_cleared(self) -> None:
+        self._add(["AllBlocksCleared"])
+
+
+def _signed(block_hash: int) -> int:
+    """SGLang's block hashes are int64 (the first 8 bytes of a SHA-256, signed)."""
+    block_hash &= (1 << 64) - 1
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash

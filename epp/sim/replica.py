@@ -1,5 +1,8 @@
 """One simulated vLLM server: engine + tokenizer + metrics + KV events + HTTP listener.
 
+With ``speaks="sglang"`` its /metrics page and KV events are SGLang's instead (the OpenAI API
+and the scheduling model stay the same).
+
 Several replicas can live in one process (--replicas): each has its own engine task, metrics
 registry, event publisher and listening socket, and shares only the event loop and tokenizer.
 """
@@ -16,10 +19,11 @@ from aiohttp import web
 
 from epp.sim.engine import Engine, EngineConfig
 from epp.sim.faults import Faults
-from epp.sim.kv_events import KVEventPublisher
+from epp.sim.kv_events import KVEventPublisher, SGLangEventPublisher
 from epp.sim.kv_transfer import KVTransfer, KVTransferConfig
 from epp.sim.metrics import EngineMetrics
 from epp.sim.request import SimRequest
+from epp.sim.sglang_metrics import SGLangMetrics
 from epp.sim.tokenization import SimTokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,8 @@ class ReplicaConfig:
     seed: int = 0
     # A KV connector (prefill/decode disaggregation), or None.
     kv_transfer: KVTransferConfig | None = None
+    # Whose /metrics names and KV-event format the replica uses: "vllm" or "sglang".
+    speaks: str = "vllm"
 
     @property
     def address(self) -> str:
@@ -64,9 +70,15 @@ class Replica:
             "kv_cache_size_tokens": str(ecfg.num_gpu_blocks * ecfg.block_size),
             "prefix_caching_hash_algo": "sha256",
         }
-        self.metrics = EngineMetrics(config.model, cache_info, ecfg.max_loras, ecfg.max_model_len)
+        sglang = config.speaks == "sglang"
+        self.metrics: EngineMetrics | SGLangMetrics = (
+            SGLangMetrics(config.model, (ecfg.num_gpu_blocks - 1) * ecfg.block_size)
+            if sglang
+            else EngineMetrics(config.model, cache_info, ecfg.max_loras, ecfg.max_model_len)
+        )
+        publisher = SGLangEventPublisher if sglang else KVEventPublisher
         self.events = (
-            KVEventPublisher(
+            publisher(
                 config.kv_events_endpoint, config.kv_events_topic, ecfg.block_size, self.lora_ids
             )
             if config.kv_events_endpoint
