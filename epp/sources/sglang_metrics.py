@@ -5,21 +5,16 @@ Names and labels as SGLang's metrics collector defines them (``SchedulerMetricsC
 ``python/sglang/srt/observability/metrics_collector.py`` with the same names; read at
 sgl-project/sglang commit 00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538). What epp reads:
 
-===================================  ======================================================
-``sglang:num_running_reqs``          ``running``
-``sglang:num_queue_reqs``            ``waiting``, plus the requests SGLang holds in its
-                                     grammar queue and, with prefill/decode disaggregation,
-                                     in its bootstrap, pre-allocation and transfer queues
-                                     (``sglang:num_grammar_queue_reqs``,
-                                     ``sglang:num_prefill_prealloc_queue_reqs``,
-                                     ``sglang:num_decode_prealloc_queue_reqs``,
-                                     ``sglang:num_decode_transfer_queue_reqs``): all wait
-                                     for this engine before they run
-``sglang:token_usage``               ``kv_usage`` (a fraction of the KV token pool)
-``sglang:prompt_tokens_total``       ``prefix_cache_queries`` (prompt tokens, counter)
-``sglang:cached_tokens_total``       ``prefix_cache_hits`` (prompt tokens found cached)
-``sglang:num_retracted_requests_total``  ``preemptions`` (SGLang calls preemption "retract")
-===================================  ======================================================
+- ``running``: ``sglang:num_running_reqs``;
+- ``waiting``: ``sglang:num_queue_reqs``, plus the requests SGLang holds in its grammar queue
+  and, with prefill/decode disaggregation, in its bootstrap, pre-allocation and transfer
+  queues (``sglang:num_grammar_queue_reqs``, ``sglang:num_prefill_prealloc_queue_reqs``,
+  ``sglang:num_decode_prealloc_queue_reqs``, ``sglang:num_decode_transfer_queue_reqs``): all
+  wait for this engine before they run;
+- ``kv_usage``: ``sglang:token_usage`` (a fraction of the KV token pool);
+- ``prefix_cache_queries`` / ``prefix_cache_hits``: ``sglang:prompt_tokens_total`` /
+  ``sglang:cached_tokens_total`` (prompt tokens, and those found cached; counters);
+- ``preemptions``: ``sglang:num_retracted_requests_total`` (SGLang calls preemption "retract").
 
 ``sglang:cache_hit_rate`` is not read: it is the last prefill batch's ratio (and 0 after a
 decode batch), not a rate over time; the two token counters give the same ratio over any
