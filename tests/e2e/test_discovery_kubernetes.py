@@ -126,10 +126,19 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
                 )
 
             def change(what: str, expected_hosts: set[str], act: Callable[[], None]) -> float:
-                """Apply a change; seconds until Envoy's pool cluster holds ``expected``."""
+                """Apply a change; seconds until Envoy's pool cluster holds ``expected`` and
+                neither epp still routes to a host outside it (each epp follows the API server
+                on its own, Envoy the EDS file one of them writes)."""
                 started = time.monotonic()
                 act()
-                took = wait_until(lambda: envoy_hosts(stack) == expected_hosts, 10, what)
+                took = wait_until(
+                    lambda: (
+                        envoy_hosts(stack) == expected_hosts
+                        and all(epp_ready_endpoints(stack, i) <= expected_hosts for i in (0, 1))
+                    ),
+                    10,
+                    what,
+                )
                 figures[what] = took
                 return started
 
@@ -210,8 +219,8 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
                 time.sleep(0.5)  # traffic after the last change, observed below
 
             assert load.failures() == [], load.failures()[:5]
-            # Requests started once Envoy held the new hosts (ended after it plus a slack would
-            # count a request a busy machine slowed down, sent before the change).
+            # Requests started once Envoy and both epps had applied the change (ended after it
+            # plus a slack would count a request a busy machine slowed down, sent before it).
             after = {
                 addr[IPS[0]]: unready + figures["pod unready"],
                 addr[IPS[1]]: deleted + figures["pod deleted"],
