@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: bootstrap run run-ha test test-compose lint unit e2e contract protos bench-overhead bench-multi-epp bench-instructions clean
+.PHONY: bootstrap run run-ha test test-compose lint unit e2e stress contract protos bench-overhead bench-multi-epp bench-instructions clean
 
 bootstrap: $(STAMP)
 
@@ -39,6 +39,10 @@ unit: $(STAMP)
 
 e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
+
+RUNS ?= 5
+stress: $(STAMP)  ## make test $(RUNS) times in a row beside a busy loop on every core (docs/testing.md)
+	bash tools/stress_test.sh $(RUNS)
 
 test-compose: $(STAMP)  ## slow tier: docker-compose.yml under rootful podman, local images (root)
 	bash tests/compose/run.sh

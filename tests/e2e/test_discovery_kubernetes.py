@@ -121,15 +121,24 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
             def scraped_everywhere(address: str) -> None:
                 wait_until(
                     lambda: all(address in epp_ready_endpoints(stack, i) for i in (0, 1)),
-                    2,
+                    10,
                     f"both epps to scrape {address}",
                 )
 
             def change(what: str, expected_hosts: set[str], act: Callable[[], None]) -> float:
-                """Apply a change; seconds until Envoy's pool cluster holds ``expected``."""
+                """Apply a change; seconds until Envoy's pool cluster holds ``expected`` and
+                neither epp still routes to a host outside it (each epp follows the API server
+                on its own, Envoy the EDS file one of them writes)."""
                 started = time.monotonic()
                 act()
-                took = wait_until(lambda: envoy_hosts(stack) == expected_hosts, 2, what)
+                took = wait_until(
+                    lambda: (
+                        envoy_hosts(stack) == expected_hosts
+                        and all(epp_ready_endpoints(stack, i) <= expected_hosts for i in (0, 1))
+                    ),
+                    10,
+                    what,
+                )
                 figures[what] = took
                 return started
 
@@ -202,7 +211,7 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
                 )
                 wait_until(
                     lambda: all(victim not in epp_ready_endpoints(stack, i) for i in (0, 1)),
-                    2,
+                    10,
                     "both epps to mark the crashed replica unready",
                 )
                 figures["replica crashed -> unready in both epps"] = time.monotonic() - crashed
@@ -210,14 +219,15 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
                 time.sleep(0.5)  # traffic after the last change, observed below
 
             assert load.failures() == [], load.failures()[:5]
-            # Requests that ended after a change took effect in Envoy plus one request's time.
+            # Requests started once Envoy and both epps had applied the change (ended after it
+            # plus a slack would count a request a busy machine slowed down, sent before it).
             after = {
-                addr[IPS[0]]: unready + figures["pod unready"] + 0.1,
-                addr[IPS[1]]: deleted + figures["pod deleted"] + 0.1,
+                addr[IPS[0]]: unready + figures["pod unready"],
+                addr[IPS[1]]: deleted + figures["pod deleted"],
             }
             for gone, since in after.items():
-                assert gone not in load.served_since(since), gone
-            assert load.served_since(moved + figures["pool selector changed"] + 0.1) <= {
+                assert gone not in load.served_if_started_after(since), gone
+            assert load.served_if_started_after(moved + figures["pool selector changed"]) <= {
                 addr[IPS[3]],
                 addr[IPS[4]],
             }
@@ -297,4 +307,4 @@ def test_pool_name_flag_with_a_kubeconfig(tmp_path: Path) -> None:
                 lambda: epp_ready_endpoints(stack) == {f"{IPS[0]}:{port}"}, 20, "pod a via flags"
             )
             kube.put("pods", pod("a", IPS[0], APP, ready=False))
-            wait_until(lambda: epp_ready_endpoints(stack) == set(), 2, "pod a gone")
+            wait_until(lambda: epp_ready_endpoints(stack) == set(), 10, "pod a gone")

@@ -63,6 +63,17 @@ async def _get(url: str, key: str) -> bytes | None:
         await client.aclose()
 
 
+async def _written(url: str, key: str) -> bytes:
+    """The key's value once the store has written it: the write rides a later tick, and a
+    loaded machine (or a TLS handshake) can delay it by several, so poll rather than guess."""
+    for _ in range(250):
+        raw = await _get(url, key)
+        if raw is not None:
+            return raw
+        await asyncio.sleep(TICK)
+    raise AssertionError(f"{key} not written after 250 ticks")
+
+
 @pytest.fixture
 async def stores(prefix: str) -> AsyncIterator[Callable[[], RedisStore]]:
     started: list[RedisStore] = []
@@ -251,8 +262,7 @@ async def test_outage_keeps_local_state_and_resyncs_after_restart(own_redis, cap
         await store.put_endpoint(_state(time.time(), running=1))
         await store.put_endpoint(other)
         await eventually(lambda: _store_up() == 1.0, what="STORE_UP 1")
-        await asyncio.sleep(2 * TICK)
-        assert json.loads(await _get(url, f"t:ep:{ADDRESS}"))["metrics"]["running"] == 1
+        assert json.loads(await _written(url, f"t:ep:{ADDRESS}"))["metrics"]["running"] == 1
 
         own_redis.stop()
         await eventually(lambda: _store_up() == 0.0, what="STORE_UP 0")
@@ -319,13 +329,7 @@ async def test_tls_url_with_verified_certificate(tls_redis) -> None:
     await store.start()
     try:
         await store.put_endpoint(_state(time.time(), running=6))
-        # A TLS handshake on a loaded machine can take several ticks: poll, don't guess.
-        raw = None
-        deadline = time.monotonic() + 5
-        while raw is None and time.monotonic() < deadline:
-            await asyncio.sleep(TICK)
-            raw = await _get(url, f"t:ep:{ADDRESS}")
-        assert raw is not None
+        raw = await _written(url, f"t:ep:{ADDRESS}")
         assert json.loads(raw)["metrics"]["running"] == 6
     finally:
         await store.stop()

@@ -19,7 +19,14 @@ PROFILE = {
     "profile": "precise",
     "profiles": {
         "precise": [
-            {"plugin": "precise-prefix-cache-scorer", "parameters": {"max_inline_chars": 1000}},
+            # The wait for the worker thread's ids is bounded (0.1 s by default); past it the
+            # request is scored without them, which this test would see as a tie. A busy
+            # machine tokenizes the 20,000-character prompt slower than that, so no bound a
+            # test could reach.
+            {
+                "plugin": "precise-prefix-cache-scorer",
+                "parameters": {"max_inline_chars": 1000, "tokenize_wait": 3600},
+            },
             {"plugin": "max-score-picker"},
         ]
     },

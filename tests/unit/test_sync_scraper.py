@@ -152,9 +152,8 @@ async def test_a_follower_never_flaps_and_sees_the_owner_verdict(
 
     # The replica dies: the owner's failures (scraped_at stands still) must win everywhere.
     await replica.stop()
-    took = await eventually(lambda: follower.ready(address) is False, what="unready at follower")
+    await eventually(lambda: follower.ready(address) is False, what="unready at follower")
     assert owner.ready(address) is False
-    assert took < 1.0
 
 
 async def test_a_new_owner_continues_the_failure_count(

@@ -152,7 +152,8 @@ def test_mutated_seed_bodies(case: tuple[str, bytes]) -> None:
 
 @pytest.mark.parametrize(("name", "body"), corpus(), ids=[n for n, _ in corpus()])
 def test_seed_corpus(name: str, body: bytes) -> None:
-    """Each seed parses or is refused with a 4xx, quickly (no quadratic path)."""
-    started = time.perf_counter()
+    """Each seed parses or is refused with a 4xx, quickly (no quadratic path). Measured in this
+    thread's CPU time: a busy machine delays the parse, it does not make it do more work."""
+    started = time.thread_time()
     parse(path_of(name), body)
-    assert time.perf_counter() - started < 1.0
+    assert time.thread_time() - started < 1.0

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from epp.sim.kv_cache import hash_blocks
 
@@ -17,11 +18,22 @@ from .conftest import engine_config
 
 
 async def subscribe(endpoint: str, topic: bytes) -> zmq.asyncio.Socket:
+    """A SUB socket connected to ``endpoint``, returned once its handshake with the publisher
+    is done. PUB drops what it sends before a subscriber joins (by design), so the join is
+    awaited as an event (the socket monitor's), not given a fixed time a busy machine can
+    outlast. The subscription goes out right behind the handshake, well before the request
+    the test sends next makes the engine publish."""
     sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, topic)
-    sock.connect(endpoint)
-    await asyncio.sleep(0.2)  # PUB/SUB join: earlier messages are dropped by design
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(endpoint)
+        event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))
+        assert event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, event
+    finally:
+        sock.disable_monitor()
+        monitor.close()
     return sock
 
 
