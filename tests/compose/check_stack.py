@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from epp.devstack import free_port
 
@@ -160,7 +160,9 @@ class Stack:
     def url(self, port: str) -> str:
         return f"http://127.0.0.1:{self.ports[port]}"
 
-    def complete(self, request_id: str) -> tuple[int, dict[str, str], bytes]:
+    def complete(
+        self, request_id: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         return http(
             f"{self.url('ENVOY_PORT')}/v1/completions",
             {
@@ -168,7 +170,7 @@ class Stack:
                 "prompt": f"Hello from the compose test {request_id}",
                 "max_tokens": 4,
             },
-            {"x-request-id": request_id},
+            {"x-request-id": request_id, **(headers or {})},
         )
 
     def stream_with_usage(self, request_id: str) -> int:
@@ -199,10 +201,15 @@ class Stack:
         ]
 
     def decision(self, request_id: str) -> tuple[str, list[str]] | None:
+        found = self.decided(request_id)
+        return None if found is None else (found[0], found[1]["endpoints"])
+
+    def decided(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        """The epp that decided ``request_id`` and its decision record (/debug/decisions)."""
         for epp in EPPS:
             status, _, body = http(f"{self.url(epp)}/debug/decisions/{request_id}")
             if status == 200:
-                return epp, json.loads(body)["endpoints"]
+                return epp, json.loads(body)
         return None
 
     def endpoints(self, epp: str) -> dict[str, object] | None:
@@ -369,6 +376,17 @@ def main() -> int:
             0.5,
         )
         print(f"    without the password: {refused}; with it: both epps in one group", flush=True)
+        step("a client's own priority and tenant are ignored (identity is untrusted by default)")
+        forged = {"x-priority": "999999", "x-gateway-inference-fairness-id": "someone-else"}
+        status, headers, _ = stack.complete("forged-identity", forged)
+        if status != 200:
+            raise StackError(f"a request with forged identity headers got {status}")
+        decider, record = wait_for(
+            "the forged request's decision", lambda: stack.decided("forged-identity"), 10, 0.2
+        )
+        if record.get("priority") != 0 or any(h.startswith("x-ratelimit") for h in headers):
+            raise StackError(f"{decider} honoured a forged identity: {record}")
+        print(f"    {decider} decided it at priority {record['priority']}", flush=True)
         step("requests until both epps have decided one (active-active), each on epp's choice")
         first = Routed()
 
