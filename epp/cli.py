@@ -11,6 +11,7 @@ from pathlib import Path
 
 from epp import __version__
 from epp.config import Config, ConfigError, load_config, server_problems
+from epp.config_advice import advice
 from epp.discovery import DiscoveryOptions
 from epp.discovery.spec import kubernetes_override
 from epp.observability import setup_logging
@@ -118,13 +119,15 @@ def _serve_workers(args: argparse.Namespace, config: Config) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     """Validate exactly as ``serve`` does at start and on reload; every error on its own line."""
     try:
-        load_config(args.file)
+        config = load_config(args.file)
     except ConfigError as exc:
         for error in exc.errors:
             print(error)
         count = len(exc.errors)
         print(f"{args.file}: {count} error{'s' if count != 1 else ''}", file=sys.stderr)
         return 1
+    for warning in advice(config):
+        print(f"{args.file}: warning: {warning}")
     print(f"{args.file}: valid")
     return 0
 

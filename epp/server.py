@@ -27,6 +27,7 @@ from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
 from epp.admission.budget_sync import BudgetSync
 from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
+from epp.config_advice import advice
 from epp.discovery import Discovery, DiscoveryOptions, KubernetesSpec
 from epp.discovery.manager import pool_specs
 from epp.discovery.pool_resources import ClusterResources
@@ -279,7 +280,8 @@ class Server:
 
     def _apply_trust(self, config: Config) -> None:
         """TLS for scraping (files read on start and on every reload, so renewed certificates
-        are picked up) and a word about explain output going to every client."""
+        are picked up), a word about explain output going to every client, and what else the
+        configuration cannot do as it appears to (epp.config_advice)."""
         self.scraper.set_tls(
             {pool: (client_context(t), t.server_name) for pool, t in config.metrics_tls.items()}
         )
@@ -290,6 +292,8 @@ class Server:
                 "routing.explain is on without routing.explain_token or server.debug_token: "
                 "every client receives x-epp-scores (docs/security.md)"
             )
+        for warning in advice(config):
+            log.warning("configuration: %s", warning)
 
     async def reload(self) -> bool:
         """Load the config file again; apply it if valid, else keep the current one."""
