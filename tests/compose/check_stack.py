@@ -85,6 +85,14 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: fl
         time.sleep(every)
 
 
+# Run inside a simulator container: it listens on the container's address, not loopback.
+_READ_HEADERS = (
+    "import socket, urllib.request; "
+    "ip = socket.gethostbyname(socket.gethostname()); "
+    "print(urllib.request.urlopen(f'http://{ip}:8000/admin/headers').read().decode())"
+)
+
+
 def http(
     url: str,
     body: dict[str, object] | None = None,
@@ -159,6 +167,15 @@ class Stack:
 
     def url(self, port: str) -> str:
         return f"http://127.0.0.1:{self.ports[port]}"
+
+    def replica_headers(self) -> Counter[str]:
+        """Header names the simulated replicas' inference requests arrived with, summed over
+        the replicas (each answers GET /admin/headers on its container address)."""
+        total: Counter[str] = Counter()
+        for container in self.containers("sim"):
+            out = self.podman("exec", container, "python", "-c", _READ_HEADERS)
+            total.update(json.loads(out))
+        return total
 
     def complete(
         self, request_id: str, headers: dict[str, str] | None = None
@@ -386,7 +403,17 @@ def main() -> int:
         )
         if record.get("priority") != 0 or any(h.startswith("x-ratelimit") for h in headers):
             raise StackError(f"{decider} honoured a forged identity: {record}")
-        print(f"    {decider} decided it at priority {record['priority']}", flush=True)
+        seen = stack.replica_headers()
+        if not seen["x-request-id"]:  # Envoy forwards it: the count works
+            raise StackError(f"the replicas report no x-request-id at all: {dict(seen)}")
+        leaked = [h for h in forged if seen[h]]
+        if leaked:
+            raise StackError(f"a client's {', '.join(leaked)} reached a replica: {dict(seen)}")
+        print(
+            f"    {decider} decided it at priority {record['priority']}; the replicas saw "
+            f"x-request-id {seen['x-request-id']} times, x-priority never",
+            flush=True,
+        )
         step("requests until both epps have decided one (active-active), each on epp's choice")
         first = Routed()
 
