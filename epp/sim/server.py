@@ -1,7 +1,9 @@
 """HTTP surface of one replica: vLLM's OpenAI server endpoints plus admin faults.
 
 Every response carries `x-served-by: host:port` so tests and benchmarks can see which replica
-served a request without trusting the router under test.
+served a request without trusting the router under test, and `GET /admin/headers` counts the
+header names inference requests arrived with, so a test can see what the gateway let through
+(e.g. that a client's `x-priority` never reached a replica).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +30,11 @@ from epp.sim.replica import Replica
 from epp.sim.request import SimRequest, Status
 
 REPLICA = web.AppKey("replica", Replica)
+# Header names counted for GET /admin/headers: inference routes only, at most this many names
+# (a client choosing new names cannot grow the replica without bound).
+_COUNTED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+MAX_HEADER_NAMES = 256
+SEEN_HEADERS = web.AppKey("seen_headers", Counter[str])
 DEFAULT_MAX_TOKENS = 16
 # Prompts at least this long get their block hashes computed off the event loop.
 OFFLOAD_HASH_TOKENS = 8192
@@ -52,6 +60,22 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     return body
+
+
+@web.middleware
+async def count_headers(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path in _COUNTED_PATHS:
+        seen = request.app[SEEN_HEADERS]
+        for name in {k.lower() for k in request.headers}:
+            if name in seen or len(seen) < MAX_HEADER_NAMES:
+                seen[name] += 1
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def get_headers(request: web.Request) -> web.Response:
+    """How many inference requests carried each header name (lower case)."""
+    return _json(dict(sorted(request.app[SEEN_HEADERS].items())))
 
 
 @web.middleware
@@ -384,8 +408,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 def make_app(replica: Replica) -> web.Application:
-    app = web.Application(middlewares=[api_errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[count_headers, api_errors], client_max_size=64 * 1024 * 1024)
     app[REPLICA] = replica
+    app[SEEN_HEADERS] = Counter()
     served_by = replica.config.address
 
     async def add_served_by(request: web.Request, response: web.StreamResponse) -> None:
@@ -405,6 +430,7 @@ def make_app(replica: Replica) -> web.Application:
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, model_info)
     app.router.add_get("/admin/faults", get_faults)
+    app.router.add_get("/admin/headers", get_headers)
     app.router.add_post("/admin/faults", post_faults)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from epp.devstack import free_port
 
@@ -83,6 +83,14 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: fl
             print(f"    still waiting for {what} ({now - started:.0f} s)", flush=True)
             last_note = now
         time.sleep(every)
+
+
+# Run inside a simulator container: it listens on the container's address, not loopback.
+_READ_HEADERS = (
+    "import socket, urllib.request; "
+    "ip = socket.gethostbyname(socket.gethostname()); "
+    "print(urllib.request.urlopen(f'http://{ip}:8000/admin/headers').read().decode())"
+)
 
 
 def http(
@@ -160,7 +168,18 @@ class Stack:
     def url(self, port: str) -> str:
         return f"http://127.0.0.1:{self.ports[port]}"
 
-    def complete(self, request_id: str) -> tuple[int, dict[str, str], bytes]:
+    def replica_headers(self) -> Counter[str]:
+        """Header names the simulated replicas' inference requests arrived with, summed over
+        the replicas (each answers GET /admin/headers on its container address)."""
+        total: Counter[str] = Counter()
+        for container in self.containers("sim"):
+            out = self.podman("exec", container, "python", "-c", _READ_HEADERS)
+            total.update(json.loads(out))
+        return total
+
+    def complete(
+        self, request_id: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         return http(
             f"{self.url('ENVOY_PORT')}/v1/completions",
             {
@@ -168,7 +187,7 @@ class Stack:
                 "prompt": f"Hello from the compose test {request_id}",
                 "max_tokens": 4,
             },
-            {"x-request-id": request_id},
+            {"x-request-id": request_id, **(headers or {})},
         )
 
     def stream_with_usage(self, request_id: str) -> int:
@@ -199,10 +218,15 @@ class Stack:
         ]
 
     def decision(self, request_id: str) -> tuple[str, list[str]] | None:
+        found = self.decided(request_id)
+        return None if found is None else (found[0], found[1]["endpoints"])
+
+    def decided(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        """The epp that decided ``request_id`` and its decision record (/debug/decisions)."""
         for epp in EPPS:
             status, _, body = http(f"{self.url(epp)}/debug/decisions/{request_id}")
             if status == 200:
-                return epp, json.loads(body)["endpoints"]
+                return epp, json.loads(body)
         return None
 
     def endpoints(self, epp: str) -> dict[str, object] | None:
@@ -369,6 +393,27 @@ def main() -> int:
             0.5,
         )
         print(f"    without the password: {refused}; with it: both epps in one group", flush=True)
+        step("a client's own priority and tenant are ignored (identity is untrusted by default)")
+        forged = {"x-priority": "999999", "x-gateway-inference-fairness-id": "someone-else"}
+        status, headers, _ = stack.complete("forged-identity", forged)
+        if status != 200:
+            raise StackError(f"a request with forged identity headers got {status}")
+        decider, record = wait_for(
+            "the forged request's decision", lambda: stack.decided("forged-identity"), 10, 0.2
+        )
+        if record.get("priority") != 0 or any(h.startswith("x-ratelimit") for h in headers):
+            raise StackError(f"{decider} honoured a forged identity: {record}")
+        seen = stack.replica_headers()
+        if not seen["x-request-id"]:  # Envoy forwards it: the count works
+            raise StackError(f"the replicas report no x-request-id at all: {dict(seen)}")
+        leaked = [h for h in forged if seen[h]]
+        if leaked:
+            raise StackError(f"a client's {', '.join(leaked)} reached a replica: {dict(seen)}")
+        print(
+            f"    {decider} decided it at priority {record['priority']}; the replicas saw "
+            f"x-request-id {seen['x-request-id']} times, x-priority never",
+            flush=True,
+        )
         step("requests until both epps have decided one (active-active), each on epp's choice")
         first = Routed()
 

@@ -388,3 +388,20 @@ async def test_reset_running_requests_preempts_then_resets(start_replica) -> Non
     assert status == 200
     assert done["usage"]["completion_tokens"] == 30
     assert r.engine.scheduler.num_preemptions == 1
+
+
+async def test_admin_headers_counts_what_inference_requests_arrived_with(start_replica) -> None:
+    replica = await start_replica()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        for extra in ({"x-priority": "9"}, {}):
+            async with s.post(url(replica, "/v1/completions"), json=body, headers=extra) as r:
+                assert r.status == 200
+        async with s.get(url(replica, "/metrics")) as r:  # not an inference route
+            assert r.status == 200
+        async with s.get(url(replica, "/admin/headers")) as r:
+            seen = await r.json()
+    assert seen["x-priority"] == 1
+    assert seen["content-type"] == 2
+    assert "accept-encoding" in seen
+    assert all(v <= 2 for v in seen.values())
