@@ -49,7 +49,8 @@ class Prometheus:
 
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         binary = shutil.which("prometheus")
-        assert binary, "prometheus is needed: apt-get install prometheus (.ci/run does)"
+        if binary is None:  # under CI=true this skip is a failure (tests/helpers/ci_strict.py)
+            pytest.skip("prometheus is needed: apt-get install prometheus (.ci/run does)")
         self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

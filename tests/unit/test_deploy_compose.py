@@ -247,7 +247,8 @@ def test_prometheus_config_scrapes_epp_and_replicas() -> None:
     assert {t.partition(":")[0] for t in targets} == {"epp-1", "epp-2"} <= set(services)
     assert jobs["vllm"]["dns_sd_configs"][0]["names"] == ["sim"]
     promtool = shutil.which("promtool")
-    assert promtool, "promtool is needed: apt-get install prometheus (.ci/run does)"
+    if promtool is None:  # under CI=true this skip is a failure (tests/helpers/ci_strict.py)
+        pytest.skip("promtool is needed: apt-get install prometheus (.ci/run does)")
     out = subprocess.run(
         [promtool, "check", "config", "--syntax-only", str(COMPOSE_DIR / "prometheus.yml")],
         capture_output=True,

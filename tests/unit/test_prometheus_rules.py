@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +21,8 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "epp.json"
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("promtool")
-    assert binary, "promtool is needed: apt-get install prometheus (.ci/run does)"
+    if binary is None:  # under CI=true this skip is a failure (tests/helpers/ci_strict.py)
+        pytest.skip("promtool is needed: apt-get install prometheus (.ci/run does)")
     return subprocess.run([binary, *args], capture_output=True, text=True, check=False)
 
 
