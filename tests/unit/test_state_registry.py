@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from epp.config import Config, parse_config
 from epp.prefix.hashing import BlockHasher
+from epp.request import InferenceRequest
+from epp.router import Router
 from epp.scheduling.scorers.prefix import PrefixCacheScorer, PrefixParams
+from epp.state import EndpointState
 from epp.state.fleet import APPROX_PREFIX, FleetState, approx_prefix
+from epp.state.memory import MemoryStore
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.state.registry import StateKey, States
 from tests.unit.scheduling.common import cycle, ep, profile_of, req, scored, text
@@ -83,3 +88,49 @@ def test_a_retry_moves_what_every_journaled_state_recorded() -> None:
     # Nothing is journaled outside a recording.
     assert fleet.states.journaled == [default, small]
     assert all(s.journal is None for s in fleet.states.journaled)
+
+
+def _config(block_chars: int) -> Config:
+    return parse_config(
+        {
+            "models": {"tiny": {"pools": ["main"]}},
+            "pools": {"main": {"endpoints": [{"address": a} for a in (A, B)]}},
+            "scheduling": {
+                "profile": "p",
+                "profiles": {
+                    "p": [
+                        {
+                            "plugin": "prefix-cache-scorer",
+                            "parameters": {"block_chars": block_chars},
+                        },
+                        {"plugin": "max-score-picker"},
+                    ]
+                },
+            },
+        }
+    )
+
+
+def _request(prompt: str) -> InferenceRequest:
+    return InferenceRequest("id", "/v1/completions", "completions", "tiny", prompt)
+
+
+async def test_a_reload_that_changes_the_block_size_starts_another_index() -> None:
+    store = MemoryStore()
+    for address in (A, B):
+        await store.put_endpoint(EndpointState(address, "main", True, scraped_at=1.0))
+    router = Router(_config(64), FleetState(store))
+    prompt = text("p", 64 * 4)
+    decision, _ = router.route(
+        InferenceRequest("1", "/v1/completions", "completions", "tiny", prompt)
+    )
+    picked = decision.endpoints[0].address
+    assert router.fleet.prefix.size(picked) == 4
+    router.config = _config(32)
+    small = router.fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
+    # Declared by the reload, empty: nothing learned under 64-byte blocks is matched by it.
+    assert small.size(picked) == 0
+    assert len(router.fleet.states.named(APPROX_PREFIX)) == 2
+    router.route(_request(prompt))
+    assert sum(small.size(e) for e in (A, B)) == 8
+    assert router.fleet.prefix.size(picked) == 4  # kept, untouched
