@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -46,7 +46,8 @@ from epp.config import parse_config
 from epp.devstack import Proc, free_port, http_ok
 from epp.envoy_config import render
 from epp.prefix.approximate import ApproximatePrefixIndex, Insertion
-from epp.state.fleet import FleetState
+from epp.state.fleet import FleetState, approx_prefix
+from epp.state.registry import StateKey
 from epp.state.shared.sync import SharedState
 from tests.e2e.client import completion, metric_values
 
@@ -265,7 +266,10 @@ async def propagation(url: str, poll: bool, samples: int) -> list[float]:
     """Milliseconds from an insertion in one process to its arrival in another."""
     prefix = f"bench-prop-{uuid.uuid4().hex[:8]}"
     sender = FleetState()
-    receiver = FleetState(prefix=_StampedIndex())
+    receiver = FleetState()
+    # The default index's key (equal keys ignore the factory), built as a stamped index.
+    stamped: StateKey[_StampedIndex] = replace(approx_prefix(), factory=_StampedIndex)  # type: ignore[assignment]
+    index = receiver.states.get(stamped)
     members = [
         SharedState(url, fleet, key_prefix=prefix, interval=0.05, poll_picks=poll)
         for fleet in (sender, receiver)
@@ -275,7 +279,6 @@ async def propagation(url: str, poll: bool, samples: int) -> list[float]:
         await member.start()
     await asyncio.sleep(0.3)
     sent: dict[int, float] = {}
-    index: _StampedIndex = receiver.prefix  # type: ignore[assignment]
     for i in range(samples):
         key = random.getrandbits(63)
         sent[key] = time.perf_counter()

@@ -139,6 +139,9 @@ class Router:
 
     def _build(self) -> None:
         self._gen = Generation.build(self._config, self._cluster)
+        for profile in (self._gen.profile, self._gen.prefill):
+            if profile is not None:
+                profile.declare(self.fleet)
         problems = frozenset(self._gen.problems)
         for problem in sorted(problems - self._reported):  # each logged once while it lasts
             log.warning("%s", problem)

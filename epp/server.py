@@ -41,7 +41,7 @@ from epp.router import Router
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
-from epp.state.fleet import FleetState
+from epp.state.fleet import APPROX_PREFIX, FleetState
 from epp.state.memory import MemoryStore
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.sessions import SharedSessionTable
@@ -147,7 +147,7 @@ class Server:
         self.pool_gauges = PoolGauges(
             self.store.snapshot, lambda: self.router.config.pools, self.router.demand
         )
-        self._invalidator = CacheInvalidator(self.fleet.prefix)
+        self._invalidator = CacheInvalidator(lambda: self.fleet.states.named(APPROX_PREFIX))
         self.kv_events = KvEventSubscriber(self.fleet.precise)
         self.discovery = Discovery(self._endpoints_changed, discovery)
         # Rewrites and objectives from the cluster, for pools that follow an InferencePool.

@@ -303,7 +303,7 @@ class StreamHandler:
         if not self._deferred:  # called after every message: most have nothing held back
             return
         work, self._deferred = self._deferred, []
-        with Recording(self._router.fleet.prefix) as learned:
+        with Recording(self._router.fleet.states) as learned:
             for task in work:
                 try:
                     task()

@@ -11,7 +11,7 @@ prompt's tail before its head, as vLLM does. An endpoint's cached blocks of any 
 therefore a leading run, and :meth:`ApproximatePrefixIndex.match` finds its length by binary
 search: ~log2(256) = 8 lookups per endpoint instead of one per block.
 
-Sharing between epp processes (a later issue) rides on :meth:`~ApproximatePrefixIndex.take_recent`
+Sharing between epp processes rides on :meth:`~ApproximatePrefixIndex.take_recent`
 and :meth:`~ApproximatePrefixIndex.apply`: each process ships the insertions it made as
 batches and applies the others', which keeps the invariant because an insertion is replayed
 whole.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # GIE's default LRU size per endpoint when its KV capacity is unknown: 500k tokens / 16.
 DEFAULT_CAPACITY = 31_250
@@ -38,12 +38,19 @@ class Insertion(NamedTuple):
 
 
 class Learned(NamedTuple):
-    """One insertion as a journal keeps it: ``hashes[new_from:]`` were not cached before."""
+    """One insertion as a journal keeps it: ``hashes[new_from:]`` were not cached before
+    ``owner`` recorded them."""
 
     endpoint: str
     hashes: Sequence[int]
     capacity: int
     new_from: int
+    owner: ApproximatePrefixIndex
+
+    def move(self, served: str) -> None:
+        """Record the insertion for ``served`` instead (a retry ended there)."""
+        self.owner.retract(self)
+        self.owner.insert(served, self.hashes, self.capacity)
 
 
 class ApproximatePrefixIndex:
@@ -53,9 +60,10 @@ class ApproximatePrefixIndex:
         # OrderedDict as an LRU set: oldest first, move_to_end on reuse, popitem(last=False).
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._recent: deque[Insertion] = deque(maxlen=recent_limit)
-        # While set (see epp.state.moves.Recording), insertions are also noted here, so that
-        # a pick's insertion can be moved to the endpoint a retry ended on.
-        self.journal: list[Learned] | None = None
+        # While set (see epp.state.moves.Recording), insertions are also noted here as
+        # Learned, so that a pick's insertion can be moved to the endpoint a retry ended on
+        # (a list shared with the other journaled states, hence Any).
+        self.journal: list[Any] | None = None
 
     def insert(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
         """Record that ``endpoint`` now caches ``hashes`` (a prompt's chain, first block first).
@@ -64,7 +72,7 @@ class ApproximatePrefixIndex:
         """
         known = self._leading(self._lrus.get(endpoint), hashes)
         if self.journal is not None:
-            self.journal.append(Learned(endpoint, hashes, capacity, known))
+            self.journal.append(Learned(endpoint, hashes, capacity, known, self))
         self._insert(endpoint, hashes, capacity, known)
         self._recent.append(Insertion(endpoint, hashes, capacity))
 

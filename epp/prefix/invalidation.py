@@ -12,7 +12,7 @@ module reads of a snapshot is declared as protocols here instead of importing it
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
 from epp.prefix.approximate import ApproximatePrefixIndex
@@ -40,8 +40,10 @@ class Observed(Protocol):
 
 
 class CacheInvalidator:
-    def __init__(self, index: ApproximatePrefixIndex) -> None:
-        self._index = index
+    """``indexes``: the approximate indexes in use now (one per hashing parameter set)."""
+
+    def __init__(self, indexes: Callable[[], Iterable[ApproximatePrefixIndex]]) -> None:
+        self._indexes = indexes
         self._queries: dict[str, float] = {}
 
     def observe(self, snapshot: Observed, configured: Collection[str]) -> list[str]:
@@ -58,6 +60,7 @@ class CacheInvalidator:
                 log.info("endpoint %s restarted (prefix cache counters reset)", address)
                 forgotten.append(address)
             self._queries[address] = queries
-        for address in forgotten:
-            self._index.forget(address)
+        for index in self._indexes():
+            for address in forgotten:
+                index.forget(address)
         return forgotten

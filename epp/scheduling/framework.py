@@ -32,6 +32,7 @@ from epp.roles import Role
 from epp.scheduling.data import DataKey, Derived, Input
 from epp.scheduling.params import NoParams, Params, param
 from epp.state.fleet import FleetState
+from epp.state.registry import StateKey
 from epp.state.snapshot import EndpointState, Snapshot
 from epp.wire import PREFILL, PREFILL_HEADERS
 
@@ -70,7 +71,9 @@ class Plugin:
 
     ``type_name`` is the registry name, ``name`` the configured one; ``params_type`` the frozen
     dataclass of its parameters (:mod:`epp.scheduling.params`), ``produces``/``consumes`` the
-    per-request data it writes and reads (:mod:`epp.scheduling.data`).
+    per-request data it writes and reads (:mod:`epp.scheduling.data`); ``states`` the
+    long-lived states it keeps in the fleet state (:mod:`epp.state.registry`), declared when
+    its configuration is applied so that they exist (and replicate) before its first request.
     """
 
     type_name: ClassVar[str] = ""
@@ -78,6 +81,7 @@ class Plugin:
     produces: ClassVar[tuple[DataKey[Any], ...]] = ()
     consumes: ClassVar[tuple[Input, ...]] = ()
     name: str = ""
+    states: tuple[StateKey[Any], ...] = ()
 
     def __init__(self, params: Any = None) -> None:
         """Plugins with parameters override this and take an instance of ``params_type``."""
@@ -269,6 +273,21 @@ class Profile:
         self._scorers = [(s, w, clock.sink("scorer", s)) for s, w in self.scorers]
         self._picker = clock.sink("picker", self.picker)
         self._post_pick = [(h, clock.sink("post_pick", h)) for h in self.post_pick]
+
+    def declare(self, fleet: FleetState) -> None:
+        """Create the long-lived states this profile's plugins keep (applying a configuration)."""
+        plugins: list[Plugin] = [
+            *self.producers,
+            *self.filters,
+            *(s for s, _ in self.scorers),
+            self.picker,
+            *self.post_pick,
+            *self.prepare,
+            *([self.decider] if self.decider is not None else []),
+        ]
+        for plugin in plugins:
+            for key in plugin.states:
+                fleet.states.get(key)
 
     def produce(
         self,

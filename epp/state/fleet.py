@@ -2,16 +2,20 @@
 
 Plugins are rebuilt on every configuration reload; what they learn (in-flight work, prefix
 indexes, sessions, the TTFT scorer's prefill backlog, endpoint health, each endpoint's learned
-speed) must not be lost with
-them, so it lives here, owned by the server and reached by plugins through the scheduling
-:class:`~epp.scheduling.Cycle`.
+speed) must not be lost with them, so it lives here, owned by the server and reached by plugins
+through the scheduling :class:`~epp.scheduling.Cycle`. The fields are the core's own tables;
+a plugin's state is declared with a :class:`~epp.state.registry.StateKey` and kept in
+:attr:`FleetState.states` (the approximate prefix index is one, keyed by its hashing
+parameters: :func:`approx_prefix`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from epp.prefix.approximate import ApproximatePrefixIndex
+from epp.prefix.approximate import ApproximatePrefixIndex, Insertion
+from epp.prefix.hashing import BlockHasher
 from epp.prefix.precise import PreciseIndex
 from epp.prefix.tokens import TokenizerRegistry
 from epp.state.backlog import PrefillBacklog
@@ -21,15 +25,40 @@ from epp.state.health import HealthTracker
 from epp.state.inflight import InflightTracker
 from epp.state.latency import LatencyModel
 from epp.state.memory import MemoryStore
+from epp.state.registry import Replication, StateKey, States
 from epp.state.sessions import SessionTable
 from epp.state.store import StateStore
+
+# The approximate prefix index's state name (one instance per hashing parameter set).
+APPROX_PREFIX = "approx-prefix"
+_DEFAULT_HASHER = BlockHasher()
+
+
+@functools.cache
+def approx_prefix(hasher: BlockHasher = _DEFAULT_HASHER) -> StateKey[ApproximatePrefixIndex]:
+    """The approximate prefix index of prompts cut by ``hasher``.
+
+    Keyed by what changes a block hash's meaning (``block_chars``, ``block_size``; the model and
+    adapter are in the hash itself, ``max_blocks`` only cuts the chain short). The default
+    parameters keep the pick-stream tag ``prefix`` of the releases before keyed indexes, so a
+    rolling upgrade of a group configured with them still shares its index.
+    """
+    params = (hasher.block_chars, hasher.block_size)
+    default = (_DEFAULT_HASHER.block_chars, _DEFAULT_HASHER.block_size)
+    return StateKey(
+        APPROX_PREFIX,
+        ApproximatePrefixIndex,
+        params,
+        moves=True,
+        replicated=Replication(Insertion),
+        tag="prefix" if params == default else "",
+    )
 
 
 @dataclass
 class FleetState:
     store: StateStore = field(default_factory=MemoryStore)
     inflight: InflightTracker = field(default_factory=InflightTracker)
-    prefix: ApproximatePrefixIndex = field(default_factory=ApproximatePrefixIndex)
     sessions: SessionTable = field(default_factory=SessionTable)
     # Engine-reported prefix caches (KV events) and the tokenizers that key prompts like them.
     precise: PreciseIndex = field(default_factory=PreciseIndex)
@@ -44,3 +73,10 @@ class FleetState:
     latency: LatencyModel = field(default_factory=LatencyModel)
     # Flow control's ledger and the other epp processes' queues (cluster-wide bands, fairness).
     queues: GroupQueues = field(default_factory=GroupQueues)
+    # Plugins' own long-lived states (epp.state.registry), one instance per key.
+    states: States = field(default_factory=States)
+
+    @property
+    def prefix(self) -> ApproximatePrefixIndex:
+        """The approximate prefix index of the default hashing parameters."""
+        return self.states.get(approx_prefix())

@@ -2,10 +2,11 @@
 
 Envoy retries a failed attempt on epp's next fallback, so the endpoint that answers can differ
 from the one epp picked. Everything the pick recorded for the picked endpoint then describes a
-request it never ran: the in-flight ticket, the prefix blocks the approximate index now
-believes it caches, the session binding. The stream handler records the pick
-(:class:`Recording` around :meth:`~epp.router.Router.route`) and, once the response names the
-endpoint that served, calls :func:`move_pick`. Scorer-private estimates (the TTFT scorer's
+request it never ran: the in-flight ticket, the session binding, and what the plugins' journaled
+states recorded (the prefix blocks the approximate index now believes it caches; any state
+declared with ``moves=True``, see :mod:`epp.state.registry`). The stream handler records the
+pick (:class:`Recording` around the post-pick hooks) and, once the response names the endpoint
+that served, calls :func:`move_pick`. Scorer-private estimates (the TTFT scorer's
 prefill backlog, the precise index's speculative entries) are not moved: they expire by
 themselves within seconds.
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epp.prefix.approximate import ApproximatePrefixIndex, Learned
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
+from epp.state.registry import Footprint, States
 
 
 @dataclass(slots=True)
@@ -25,7 +26,7 @@ class PickRecord:
 
     ticket: Ticket
     session: str | None = None
-    learned: list[Learned] = field(default_factory=list)
+    learned: list[Footprint] = field(default_factory=list)
     # When the pick was made (the stream's clock), and the requests decoding on the endpoint
     # when its first token arrived (the latency model's decode batch).
     picked_at: float = 0.0
@@ -44,22 +45,24 @@ class PickRecord:
 
 
 class Recording:
-    """``with Recording(index) as journal``: collect the prefix insertions made inside the
-    block (one synchronous decision). A class, not a generator-based context manager: it runs
-    after every pick, and entering and leaving a generator costs several times as much."""
+    """``with Recording(states) as journal``: collect what the journaled states record inside
+    the block (one synchronous decision). A class, not a generator-based context manager: it
+    runs after every pick, and entering and leaving a generator costs several times as much."""
 
-    __slots__ = ("_index",)
+    __slots__ = ("_states",)
 
-    def __init__(self, index: ApproximatePrefixIndex) -> None:
-        self._index = index
+    def __init__(self, states: States) -> None:
+        self._states = states
 
-    def __enter__(self) -> list[Learned]:
-        journal: list[Learned] = []
-        self._index.journal = journal
+    def __enter__(self) -> list[Footprint]:
+        journal: list[Footprint] = []
+        for state in self._states.journaled:
+            state.journal = journal
         return journal
 
     def __exit__(self, *_: object) -> None:
-        self._index.journal = None
+        for state in self._states.journaled:
+            state.journal = None
 
 
 def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) -> PickRecord:
@@ -74,9 +77,8 @@ def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) ->
         if item.endpoint != source:
             learned.append(item)
             continue
-        fleet.prefix.retract(item)
-        with Recording(fleet.prefix) as journal:
-            fleet.prefix.insert(served, item.hashes, item.capacity)
+        with Recording(fleet.states) as journal:
+            item.move(served)
         learned.extend(journal)
     if record.session is not None:
         fleet.sessions.move(record.session, source, served, now)

@@ -19,10 +19,12 @@ def snap(**queries: float) -> Snapshot:
 
 
 def test_restart_and_removal_forget_the_endpoint() -> None:
-    index = ApproximatePrefixIndex()
+    # Two indexes (two hashing parameter sets in use): both forget.
+    index, other = ApproximatePrefixIndex(), ApproximatePrefixIndex()
     for endpoint in ("a", "b", "c"):
         index.insert(endpoint, [1, 2, 3], capacity=100)
-    watcher = CacheInvalidator(index)
+        other.insert(endpoint, [7], capacity=100)
+    watcher = CacheInvalidator(lambda: [index, other])
     assert watcher.observe(snap(a=100, b=50, c=10), {"a", "b", "c"}) == []
     assert watcher.observe(snap(a=120, b=60, c=10), {"a", "b", "c"}) == []
     # b restarted (counter went down); c was removed from the configuration.
@@ -30,3 +32,4 @@ def test_restart_and_removal_forget_the_endpoint() -> None:
     assert index.size("a") == 3
     assert index.size("b") == 0
     assert index.size("c") == 0
+    assert (other.size("a"), other.size("b"), other.size("c")) == (1, 0, 0)

@@ -203,7 +203,7 @@ def test_prefix_insertion_moves_only_what_the_pick_added() -> None:
     fleet = FleetState()
     index = fleet.prefix
     index.insert(A, [1, 2], 100)  # A already cached the head of the chain
-    with Recording(index) as learned:
+    with Recording(fleet.states) as learned:
         index.insert(A, [1, 2, 3, 4], 100)  # the pick's insertion
     record = PickRecord(fleet.inflight.add(A, 10), None, learned)
     moved = move_pick(fleet, record, B, 0.0)

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from epp.admission.budget_sync import BudgetSync
 from epp.admission.budgets import BUCKETS, BudgetPolicy, Budgets, Charge, Limits
 from epp.request import session_key
-from epp.state.fleet import FleetState
+from epp.state.fleet import FleetState, approx_prefix
 from epp.state.latency import LatencyModel
 from epp.state.redis_store import RedisStore
 from epp.state.shared import loads, queues, wire
@@ -138,6 +138,8 @@ def store_payload(state: EndpointState) -> str:
 
 async def test_pick_entries(prefix: str, redis: Redis) -> None:
     fleet = FleetState(sessions=SharedSessionTable())
+    # Declared before the stream is read, as a profile with the prefix scorer does.
+    fleet.states.get(approx_prefix())
     # The verdicts' pool, so a remote ejection has room under the ejection cap.
     fleet.health.configure(fleet.health.config, {e: "pool" for e in (E1, E2, E3, E4, E5)})
     member = SharedState(SHARED_URL, fleet, key_prefix=prefix, interval=0.02)

@@ -13,7 +13,7 @@ import pytest
 
 from epp.devstack import free_port
 from epp.request import session_key
-from epp.state.fleet import FleetState
+from epp.state.fleet import FleetState, approx_prefix
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import connect, hash_tag
 from epp.state.shared.sessions import SharedSessionTable
@@ -34,6 +34,8 @@ class Member:
     def __init__(self, url: str) -> None:
         self.store = RedisStore(url, key_prefix=hash_tag("epp"), refresh_interval=TICK)
         self.fleet = FleetState(self.store, sessions=SharedSessionTable())
+        # Declared before the stream is read, as a profile with the prefix scorer does.
+        self.fleet.states.get(approx_prefix())
         self.shared = SharedState(url, self.fleet, key_prefix="epp", interval=TICK)
 
     async def start(self) -> Member:

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from epp.prefix.hashing import BlockHasher
 from epp.request import session_key
-from epp.state.fleet import FleetState
+from epp.state.fleet import APPROX_PREFIX, FleetState, approx_prefix
 from epp.state.inflight import Load
 from epp.state.latency import Basis
 from epp.state.shared.sessions import SharedSessionTable
@@ -37,6 +38,8 @@ async def group(prefix: str) -> AsyncIterator[Group]:
 
     async def start(url: str = SHARED_URL, poll: bool = False, interval: float = TICK) -> Member:
         fleet = FleetState(sessions=SharedSessionTable())
+        # Declared before the stream is read, as a profile with the prefix scorer does.
+        fleet.states.get(approx_prefix())
         member = SharedState(url, fleet, key_prefix=prefix, interval=interval, poll_picks=poll)
         member.set_endpoints([E1, E2, E3])
         await member.start()
@@ -93,6 +96,22 @@ async def test_prefix_insertions_are_pushed_to_the_other_processes(
     await eventually(lambda: fb.prefix.match([11, 12, 13], [E1]) == {E1: 3})
     await eventually(lambda: fc.prefix.match([11, 12, 13], [E1]) == {E1: 3})
     assert fb.prefix.take_recent() == [], "applied insertions must not be shipped again"
+
+
+async def test_an_index_replicates_only_to_members_using_its_parameters(group: Group) -> None:
+    small = approx_prefix(BlockHasher(block_chars=32))
+    (fa, _), (fb, _), (fc, _) = [await group() for _ in range(3)]
+    for fleet in (fa, fc):
+        fleet.states.get(small)
+    fa.states.get(small).insert(E1, [31, 32], 1000)
+    fa.prefix.insert(E1, [41], 1000)  # shipped after the small index's item
+    await eventually(lambda: fc.states.get(small).match([31, 32], [E1]) == {E1: 2})
+    await eventually(lambda: fb.prefix.match([41], [E1]) == {E1: 1})
+    # b uses the default parameters only: it skipped the other set's item, kept no index for
+    # it, and its default index holds nothing of it.
+    assert fb.states.named(APPROX_PREFIX) == [fb.prefix]
+    assert fb.prefix.match([31, 32], [E1]) == {E1: 0}
+    assert fc.prefix.match([31, 32], [E1]) == {E1: 0}
 
 
 async def test_polling_mode_moves_insertions_too(group: Group) -> None:

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 
 from epp.request import session_key
 from epp.state import redis_store
-from epp.state.fleet import FleetState
+from epp.state.fleet import FleetState, approx_prefix
 from epp.state.group_queues import Row
 from epp.state.inflight import Load
 from epp.state.shared import picks, sync, wire
@@ -129,19 +129,20 @@ async def _legacy_ship(self: picks.PickStream) -> None:
 
 def _legacy_apply(self: picks.PickStream, entries: Iterable[dict[bytes, bytes]]) -> None:
     batches: dict[str, list[Any]] = {}
+    channels = {c.tag: c for c in self._channels()}
     for fields in entries:
         try:
             origin, _shipped, items = msgpack.unpackb(fields[b"d"])[:3]
             if origin == self._me:
                 continue
             for tag, raw in items:
-                channel = self._channels.get(tag)
+                channel = channels.get(tag)
                 if channel is not None:
                     batches.setdefault(tag, []).append(channel.item(*raw))
         except (KeyError, ValueError, TypeError, msgpack.UnpackException):
             LEGACY_UNREADABLE.append(fields)
     for tag, batch in batches.items():
-        self._channels[tag].table.apply(batch)
+        channels[tag].table.apply(batch)
 
 
 # Entries the legacy reader could not read (the version-0 reader only skipped them).
@@ -217,6 +218,8 @@ async def main(args: argparse.Namespace) -> None:
     if args.legacy:
         install_legacy()
     fleet = FleetState(sessions=SharedSessionTable())
+    # Declared before the stream is read, as a profile with the prefix scorer does.
+    fleet.states.get(approx_prefix())
     store = redis_store.RedisStore(args.url, key_prefix=args.prefix, refresh_interval=0.02)
     member = sync.SharedState(args.url, fleet, key_prefix=args.prefix, interval=0.02)
     addresses = [endpoint(args.me), endpoint(args.other)]

@@ -3,7 +3,9 @@
 A prompt prefix cached on a replica skips its prefill there, most of a long prompt's time to
 first token. In the data step the
 plugin hashes the prompt into chained blocks (:mod:`epp.prefix.hashing`) and asks the fleet's
-approximate index how many leading blocks each candidate caches; it publishes the result as
+approximate index for its hashing parameters (:func:`~epp.state.fleet.approx_prefix`: another
+``block_chars`` or ``block_size`` is another index) how many leading blocks each candidate
+caches; it publishes the result as
 :data:`~epp.scheduling.prefix_data.APPROX_PREFIX` (blocks per endpoint, and cached prompt tokens,
 which the TTFT scorer turns into uncached prefill work). The score is ``matched / total`` blocks.
 After the pick it records the request's blocks for the chosen endpoint, so the next request with
@@ -26,6 +28,7 @@ from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, PostPick, Producer, Scorer, register
 from epp.scheduling.params import Params, param
 from epp.scheduling.prefix_data import APPROX_PREFIX, PrefixMatch
+from epp.state.fleet import approx_prefix
 from epp.state.snapshot import EndpointState
 
 
@@ -51,6 +54,8 @@ class PrefixCacheScorer(Producer, Scorer, PostPick):
     def __init__(self, params: PrefixParams = PrefixParams()) -> None:
         self.hasher = BlockHasher(params.block_chars, params.block_size, params.max_blocks)
         self.lru_capacity = params.lru_capacity
+        self.index = approx_prefix(self.hasher)
+        self.states = (self.index,)
 
     def produce(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
@@ -58,7 +63,9 @@ class PrefixCacheScorer(Producer, Scorer, PostPick):
         hasher = self.hasher
         match = PrefixMatch(hasher, hasher.hashes(request), hasher.tokens_per_block(request))
         if match.hashes:
-            found = cycle.fleet.prefix.match(match.hashes, [c.address for c in candidates])
+            found = cycle.fleet.states.get(self.index).match(
+                match.hashes, [c.address for c in candidates]
+            )
             match.blocks = found
             per_block = match.tokens_per_block
             match.cached_tokens = {e: n * per_block for e, n in found.items()}
@@ -76,7 +83,7 @@ class PrefixCacheScorer(Producer, Scorer, PostPick):
         match = cycle.get(APPROX_PREFIX)
         if match is not None and match.hashes:
             capacity = self._capacity(endpoint, match.tokens_per_block)
-            cycle.fleet.prefix.insert(endpoint.address, match.hashes, capacity)
+            cycle.fleet.states.get(self.index).insert(endpoint.address, match.hashes, capacity)
 
     def _capacity(self, endpoint: EndpointState, tokens_per_block: int) -> int:
         """The endpoint's KV cache in index blocks: engine blocks x tokens / tokens per block."""

@@ -39,7 +39,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -100,7 +100,7 @@ class PickStream:
         client: Any,
         keys: Keys,
         me: str,
-        channels: Sequence[Channel],
+        channels: Callable[[], Iterable[Channel]],
         *,
         maxlen: int = 1024,
         backlog: int = 4096,
@@ -111,7 +111,8 @@ class PickStream:
         self._client = client
         self._key = keys.picks
         self._me = me
-        self._channels = {c.tag: c for c in channels}
+        # Asked at every collection and read: a reload can add a state (a new parameter set).
+        self._channels = channels
         self._maxlen = maxlen
         self._backlog = backlog
         # Items ([channel tag, item]) not yet in Redis, oldest first.
@@ -135,7 +136,7 @@ class PickStream:
         collected and waiting for a shipment to succeed (one under way included: others may
         read an entry before its pipeline's reply gets here). Zero after a reply means that
         reply's pick reached Redis (the pick is recorded before the answer goes to Envoy)."""
-        return len(self._pending) + sum(c.table.recent_count() for c in self._channels.values())
+        return len(self._pending) + sum(c.table.recent_count() for c in self._channels())
 
     async def start(self) -> None:
         if not self._tasks:
@@ -172,8 +173,8 @@ class PickStream:
             backoff.reset(self._retry)
 
     def _collect(self) -> None:
-        for tag, channel in self._channels.items():
-            self._pending.extend([tag, list(item)] for item in channel.table.take_recent())
+        for channel in self._channels():
+            self._pending.extend([channel.tag, list(item)] for item in channel.table.take_recent())
         overflow = len(self._pending) - self._backlog
         if overflow > 0:  # Redis has been away for a while: the oldest matter least
             SHARED_PICKS.labels("dropped").inc(overflow)
@@ -219,6 +220,7 @@ class PickStream:
 
     def _apply(self, entries: Iterable[dict[bytes, bytes]]) -> None:
         batches: dict[str, list[Any]] = {}
+        channels = {c.tag: c for c in self._channels()}
         now = time.time()
         for fields in entries:
             try:
@@ -231,7 +233,7 @@ class PickStream:
                 continue
             for item in items:
                 try:
-                    tag, value = self._item(item, now)
+                    tag, value = _item(channels, item, now)
                 except wire.Malformed as exc:
                     SHARED_PICKS.labels("rejected").inc()
                     wire.refused("picks", exc)
@@ -242,7 +244,7 @@ class PickStream:
                 SHARED_PICK_DELAY.observe(max(0.0, now - shipped))
         for tag, batch in batches.items():
             try:
-                self._channels[tag].table.apply(batch)
+                channels[tag].table.apply(batch)
             except Exception:
                 # A bug in a table must not stop sharing; say so once, with the traceback.
                 SHARED_PICKS.labels("rejected").inc(len(batch))
@@ -252,15 +254,17 @@ class PickStream:
                 continue
             SHARED_PICKS.labels("applied").inc(len(batch))
 
-    def _item(self, item: object, now: float) -> tuple[str, Any]:
-        """One ``[tag, fields]`` item checked and rebuilt; None for a table not kept here."""
-        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
-            raise wire.Malformed(f"an item must be [channel, fields], got {item!r:.80}")
-        tag, raw = item
-        channel = self._channels.get(tag)
-        if channel is None:
-            return tag, None
-        return tag, channel.check(wire.record(channel.item, raw), now)
+
+def _item(channels: Mapping[str, Channel], item: object, now: float) -> tuple[str, Any]:
+    """One ``[tag, fields]`` item checked and rebuilt; None for a table not kept here (another
+    release's, or a parameter set this process does not use)."""
+    if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+        raise wire.Malformed(f"an item must be [channel, fields], got {item!r:.80}")
+    tag, raw = item
+    channel = channels.get(tag)
+    if channel is None:
+        return tag, None
+    return tag, channel.check(wire.record(channel.item, raw), now)
 
 
 def _open(fields: Mapping[bytes, bytes], now: float) -> tuple[str, float, list[Any]]:

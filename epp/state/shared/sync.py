@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from epp.observability import FLOW_GROUP, SHARED_INFLIGHT, SHARED_MEMBERS
-from epp.prefix.approximate import Insertion
 from epp.state.fleet import FleetState
 from epp.state.health import Verdict
 from epp.state.shared import bounds, wire
@@ -59,9 +58,10 @@ LATENCY_TTL_S = 10.0
 class SharedState:
     """Scrape leases, shared in-flight counts and replicated routing memory for one process.
 
-    ``fleet``'s in-flight tracker gets the other processes' counts as ``remote``; its prefix
-    index, and its session table if it is a :class:`SharedSessionTable` (a plain one stays
-    local), exchange their additions with the other processes.
+    ``fleet``'s in-flight tracker gets the other processes' counts as ``remote``; its health
+    verdicts, its replicated states (the prefix indexes: :mod:`epp.state.registry`), and its
+    session table if it is a :class:`SharedSessionTable` (a plain one stays local), exchange
+    their additions with the other processes.
     """
 
     def __init__(
@@ -87,12 +87,17 @@ class SharedState:
         self._ticks = 0
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
-        channels = [
-            Channel("prefix", fleet.prefix, Insertion),
-            Channel("health", fleet.health, Verdict, bounds.verdicts(fleet.health)),
-        ]
+        core = [Channel("health", fleet.health, Verdict, bounds.verdicts(fleet.health))]
         if isinstance(fleet.sessions, SharedSessionTable):
-            channels.append(Channel("sessions", fleet.sessions, Binding, bounds.binding))
+            core.append(Channel("sessions", fleet.sessions, Binding, bounds.binding))
+        states = fleet.states
+
+        def channels() -> list[Channel]:
+            # The core's tables, then every replicated state declared so far.
+            return core + [
+                Channel(tag, state, how.item, how.check) for tag, how, state in states.replicated()
+            ]
+
         self._picks = PickStream(
             self._client,
             self.keys,
