@@ -386,6 +386,11 @@ BUDGET_REMAINING = Gauge(
     "saw it at its last decision or sync.",
     ["tenant", "kind"],
 )
+BUDGET_MEMBERS = Gauge(
+    "epp_budget_members",
+    "epp processes the budget group counted at this process's last sync with Redis; in local "
+    "mode each tenant is limited to limit / this many here.",
+)
 BUDGET_LOCAL_MODE = Gauge(
     "epp_budget_local_mode",
     "1 while Redis is unreachable and this process enforces budgets alone (each tenant "

@@ -19,6 +19,7 @@ Redis's clock ages the buckets (the processes' clocks may disagree); the process
 not times. When a tick fails the ledger turns to local mode (each process admits at most
 ``limit / processes``), this loop logs it once and sets ``epp_budget_local_mode``; the first tick
 that succeeds again ships the charges made meanwhile and leaves local mode (logged too).
+``epp_budget_members`` is the process count the last successful tick saw.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from epp.admission.budgets import BUCKETS, SLICE_SPLIT, Budgets
-from epp.observability import BUDGET_LOCAL_MODE, BUDGET_REMAINING, child
+from epp.observability import BUDGET_LOCAL_MODE, BUDGET_MEMBERS, BUDGET_REMAINING, child
 from epp.state.shared import wire
 from epp.state.shared.client import SOCKET_TIMEOUT, Backoff, open_client
 from epp.state.shared.keys import Keys
@@ -184,6 +185,7 @@ class BudgetSync:
             ledger.failed(asks, now)
             raise
         ledger.members = max(1, int(reply[0]))
+        BUDGET_MEMBERS.set(ledger.members)
         ledger.shared = True
         for reason, n in zip((wire.MALFORMED, wire.FUTURE), reply[1], strict=True):
             if n:

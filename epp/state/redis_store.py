@@ -2,11 +2,12 @@
 
 Redis is an accelerator of agreement, not a dependency of availability: every call the picker
 and the sources make is served from the local copy-on-write snapshot, and one background task
-talks to Redis. Each tick it sends a single pipeline (one round trip) that writes the states put
-since the last tick (``SET {prefix}:ep:{address} <json> PX ttl``) and reads every endpoint this
-process knows (one ``GET`` each); a remote state replaces the local one only if it was scraped
-more recently (or, for the same scrape, has counted more failed polls since: a failing endpoint's
-``scraped_at`` stands still), so processes converge on the freshest observation of each endpoint.
+talks to Redis. Each tick it sends a single pipeline (one round trip) that reads every endpoint
+this process knows (one ``GET`` each), then writes the states put since the last tick
+(``SET {prefix}:ep:{address} <json> PX ttl``); a remote state replaces the local one only if it
+was scraped more recently (or, for the same scrape, has counted more failed polls since: a
+failing endpoint's ``scraped_at`` stands still), so processes converge on the freshest
+observation of each endpoint.
 A change of readiness is written at once instead of at the next tick. With scrape leases
 (:mod:`epp.state.shared.lease`) one process observes each endpoint, so the others only read.
 
@@ -29,7 +30,7 @@ import json
 import logging
 import time
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -178,15 +179,18 @@ class RedisStore(StateStore):
                 await self._redis.ping()  # nothing to do, but STORE_UP must still tell the truth
                 return
             async with self._redis.pipeline(transaction=False) as pipe:
-                for state in batch.values():
-                    pipe.set(self._key(state.address), _encode(state), px=self._ttl_ms)
+                # Reads before writes: a write replaces whatever another process wrote since our
+                # last tick, and a process that writes every tick (an owner counting failures)
+                # would otherwise only ever read its own state back and never a newer one.
                 # One GET per key rather than MGET (and no PING above): Redis Cluster pipelines
                 # refuse multi-key and keyless commands. Still one round trip.
                 for address in addresses:
                     pipe.get(self._key(address))
+                for state in batch.values():
+                    pipe.set(self._key(state.address), _encode(state), px=self._ttl_ms)
                 # Reads refused (a key of the wrong type) come back as replies, see _merge.
                 results = await pipe.execute(raise_on_error=False)
-            wire.writes_done(results[: len(batch)])
+            wire.writes_done(results[len(addresses) :])
         except BaseException:
             # Not written: queue again, unless a newer state was put or the endpoint was dropped
             # while we waited.
@@ -195,10 +199,18 @@ class RedisStore(StateStore):
                     self._pending.setdefault(address, state)
             raise
         if addresses:
-            self._merge(addresses, [wire.read("endpoint", r, None) for r in results[len(batch) :]])
+            reads = [wire.read("endpoint", r, None) for r in results[: len(addresses)]]
+            self._merge(addresses, reads, batch)
             self._synced.set()
 
-    def _merge(self, addresses: Sequence[str], raws: Sequence[bytes | None]) -> None:
+    def _merge(
+        self,
+        addresses: Sequence[str],
+        raws: Sequence[bytes | None],
+        written: Mapping[str, EndpointState],
+    ) -> None:
+        """Take the states read for ``addresses`` that are newer than ours; ``written``: the
+        states this tick wrote after reading them."""
         # Compared against the snapshot as it is now, after the await: puts and retains that
         # happened during the round trip win over what Redis said before them.
         current = self._local.current.endpoints
@@ -217,10 +229,10 @@ class RedisStore(StateStore):
             local = current.get(address)
             if local is None or _order(state) > _order(local):
                 newer.append(state)
-            elif _order(state) < _order(local):
+            elif _order(state) < _order(local) and written.get(address) != local:
                 # Another process overwrote our fresher observation (writes are last-writer-wins,
                 # not newest-wins): write ours back, so Redis converges even if we do not scrape
-                # this endpoint again soon.
+                # this endpoint again soon. Unless this tick wrote it after the read.
                 self._pending.setdefault(address, local)
         self._local.update(newer)
 

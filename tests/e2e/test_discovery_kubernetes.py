@@ -10,10 +10,13 @@ killed and the other keeps Envoy's membership current.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -25,7 +28,9 @@ from tests.helpers.fake_kube import FakeKube, inference_pool, pod
 
 IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
 APP = {"app": "vllm"}
-FAILURE_THRESHOLD = 10
+# Failed scrapes before a replica is unready: none of a test's length at first, so that a crashed
+# replica stays a candidate until requests epp sent there have been retried; then the default.
+NEVER_UNREADY = 1_000_000
 
 
 def envoy_hosts(stack: Stack) -> set[str]:
@@ -58,7 +63,7 @@ def healthy_epps(stack: Stack) -> int:
     return sum(1 for line in lines if line.startswith("epp::") and line.endswith("::healthy"))
 
 
-def write_configs(stack: Stack, api_url: str, eds_dir: Path) -> None:
+def epp_yaml(stack: Stack, api_url: str) -> dict[str, Any]:
     data = stack.epp_config()
     data["pools"] = {
         "main": {
@@ -67,6 +72,11 @@ def write_configs(stack: Stack, api_url: str, eds_dir: Path) -> None:
             }
         }
     }
+    return data
+
+
+def write_configs(stack: Stack, api_url: str, eds_dir: Path) -> None:
+    data = epp_yaml(stack, api_url)
     stack.workdir.mkdir(parents=True, exist_ok=True)
     stack.config_path.write_text(yaml.safe_dump(data))
     config = parse_config(data, str(stack.config_path))
@@ -97,9 +107,9 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
             replicas=0,
             epp_count=2,
             epp_args=["--eds-dir", str(eds_dir)],
-            # A crashed replica stays a candidate for 10 failed scrapes (~0.5 s): long enough
-            # for epp to pick it several times, so the fallback retries are exercised.
-            config_extra={"scrape": {"failure_threshold": FAILURE_THRESHOLD}},
+            # A crashed replica stays a candidate until the test lowers the threshold, so the
+            # fallback retries are exercised however slowly a busy machine sends requests.
+            config_extra={"scrape": {"failure_threshold": NEVER_UNREADY}},
         )
         with stack:
             write_configs(stack, kube.url, eds_dir)
@@ -206,15 +216,23 @@ def test_pods_come_and_go_through_envoy(tmp_path: Path) -> None:
                 crashed = time.monotonic()
                 wait_until(
                     lambda: envoy_stat(stack, "cluster.pool.upstream_rq_retry") > retries,
-                    FAILURE_THRESHOLD * 0.05,
+                    10,
                     "a request epp sent to the crashed replica, retried on the fallback",
                 )
+                # Now its failed scrapes count: the default threshold, by a reload of both epps.
+                data = epp_yaml(stack, kube.url)
+                data["scrape"] = {}
+                stack.config_path.write_text(yaml.safe_dump(data))
+                for i in (0, 1):
+                    os.kill(stack.procs[f"epp{i}"].popen.pid, signal.SIGHUP)
                 wait_until(
                     lambda: all(victim not in epp_ready_endpoints(stack, i) for i in (0, 1)),
                     10,
                     "both epps to mark the crashed replica unready",
                 )
-                figures["replica crashed -> unready in both epps"] = time.monotonic() - crashed
+                figures["replica crashed -> retried, reloaded, unready in both epps"] = (
+                    time.monotonic() - crashed
+                )
                 retried = envoy_stat(stack, "cluster.pool.upstream_rq_retry") - retries
                 time.sleep(0.5)  # traffic after the last change, observed below
 

@@ -12,7 +12,7 @@ import pytest
 
 from epp.admission.budget_sync import BudgetSync
 from epp.admission.budgets import BudgetPolicy, Budgets, Charge, Limits
-from epp.observability import BUDGET_LOCAL_MODE
+from epp.observability import BUDGET_LOCAL_MODE, BUDGET_MEMBERS
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
 from tests.helpers import redis_servers
@@ -90,6 +90,7 @@ async def test_with_redis_down_each_process_spends_at_most_its_share(
     try:
         (a, _), (b, _) = await member(server.url), await member(server.url)
         await eventually(lambda: a.members == 2 and b.members == 2, what="both see the group")
+        assert BUDGET_MEMBERS._value.get() == 2  # what local mode will divide by, exported
         server.kill()
         await eventually(lambda: not a.shared and not b.shared, what="both notice the outage")
         assert BUDGET_LOCAL_MODE._value.get() == 1

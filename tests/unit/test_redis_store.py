@@ -112,6 +112,31 @@ async def test_two_processes_converge_on_the_newer_state(stores) -> None:
     assert a.snapshot().get(ADDRESS) == b.snapshot().get(ADDRESS)
 
 
+async def test_a_tick_reads_the_others_states_before_its_own_writes_replace_them(
+    stores, prefix: str
+) -> None:
+    """When a scrape lease moves, the new holder's failures may continue from an observation
+    older than the previous holder's last one, and it writes every tick while they go on.
+    Writes are last-writer-wins: had its tick read after writing, it would only ever read back
+    its own state, and the previous holder (which writes its newer one back each time it reads
+    the older) would keep its own view, ready, while the new holder counts the endpoint down.
+    Ticks are driven one by one here (the stores are not started)."""
+    previous, new = stores(), stores()
+    now = time.time()
+    last = _state(now, running=5)
+    await previous.put_endpoint(last)
+    await previous._sync()
+    failing = dataclasses.replace(_state(now - 1, running=3), failures=1)
+    await new.put_endpoint(failing)
+    await new._sync()
+    assert new.snapshot().get(ADDRESS) == last  # the newer observation, for its scraper to adopt
+    # Its older write landed after that read; the previous holder reads it and writes back.
+    await previous._sync()
+    await previous._sync()
+    assert await _get_running(prefix) == 5
+    assert previous.snapshot().get(ADDRESS) == last
+
+
 async def test_a_restarted_process_reads_the_group_first_and_never_writes_unobserved_state(
     stores, prefix: str
 ) -> None:

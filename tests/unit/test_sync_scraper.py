@@ -19,6 +19,10 @@ from epp.state.shared.sync import SharedState
 from tests.unit.conftest import SHARED_URL, eventually
 
 TICK = 0.02
+# Leases renew at a slower tick than the scrapes: a lease lives three ticks, and at 20 ms a busy
+# machine's scheduling delays alone let one lapse and move, which these tests would count as
+# a second scraper or a flap.
+LEASE_TICK = 0.25
 PAGE = 'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
 
 
@@ -91,7 +95,7 @@ async def processes(prefix: str, replica: Replica) -> AsyncIterator[list[Process
     procs = []
     for _ in range(2):
         store = RedisStore(SHARED_URL, key_prefix=hash_tag(prefix), refresh_interval=TICK)
-        shared = SharedState(SHARED_URL, FleetState(store), key_prefix=prefix, interval=TICK)
+        shared = SharedState(SHARED_URL, FleetState(store), key_prefix=prefix, interval=LEASE_TICK)
         scraper = MetricsScraper(store, interval=TICK, timeout=0.2, owns=shared.owns)
         await store.start()
         shared.set_endpoints([replica.address])
@@ -106,13 +110,12 @@ async def processes(prefix: str, replica: Replica) -> AsyncIterator[list[Process
 
 async def owner_and_follower(procs: list[Process], address: str) -> tuple[Process, Process]:
     """Both processes can report the endpoint ready before either holds its lease (until then
-    each scrapes it as a lone epp would), so wait for the lease to settle on one of them."""
-
-    def owners() -> list[Process]:
-        return [p for p in procs if p.shared.leases.owned() == frozenset({address})]
-
-    await eventually(lambda: len(owners()) == 1, what="one lease owner")
-    owner = owners()[0]
+    each scrapes it as a lone epp would), so wait for the lease to settle. One endpoint over two
+    members: the first in id order has a share of one, the other none. Whoever held the lease
+    first may be the other one, alone for a tick, and hands it over on its next tick: waiting
+    for any single holder could return that one, which a busy machine made likelier."""
+    owner = min(procs, key=lambda p: p.shared.me)
+    await eventually(lambda: owner.shared.leases.owned() == frozenset({address}), what="owner")
     return owner, next(p for p in procs if p is not owner)
 
 
