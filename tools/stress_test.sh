@@ -19,7 +19,8 @@ failed=0
 for i in $(seq "$runs"); do
     echo "==> run $i of $runs, $cores busy loops beside it (log: $logs/run-$i.log)"
     if make test >"$logs/run-$i.log" 2>&1; then result=passed; else result=FAILED; failed=$((failed + 1)); fi
-    echo "    $result: $(tail -n 1 "$logs/run-$i.log")"
+    # pytest's summary line (make prints its own lines after it when run from make).
+    echo "    $result: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$logs/run-$i.log" | tail -n 1)"
     grep -E '^(FAILED|ERROR) ' "$logs/run-$i.log" | sed 's/^/    /'
 done
 echo "==> $((runs - failed)) of $runs runs passed"
