@@ -39,10 +39,9 @@ its scheduler gauges after its first batch, or after 30 idle seconds).
 from __future__ import annotations
 
 import functools
-import math
 import re
 
-from epp.sources.vllm_metrics import parse_labels
+from epp.sources.vllm_metrics import finite_samples, parse_labels
 from epp.state.snapshot import EndpointMetrics
 
 _RUNNING = "sglang:num_running_reqs"
@@ -80,13 +79,7 @@ def parse_sglang_metrics(text: str) -> EndpointMetrics:
     # name -> dp_rank -> the largest value over that rank's series.
     ranked: dict[str, dict[str, float]] = {}
     sums: dict[str, float] = {}
-    for name, label_text, raw in _SAMPLE.findall("\n" + text):
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
+    for name, label_text, value in finite_samples(_SAMPLE, text):
         if name in _SUMMED:
             sums[name] = sums.get(name, 0.0) + value
             continue

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from epp.state.snapshot import EndpointMetrics
@@ -56,6 +57,20 @@ _ALL = (*_SUMMED, _KV_USAGE, _KV_USAGE_OLD, _CACHE_CONFIG, _LORA)
 _SAMPLE = re.compile(
     r"\n(" + "|".join(re.escape(n) for n in sorted(_ALL)) + r")(?:\{(.*)\})?[ \t]+(\S+)"
 )
+
+
+def finite_samples(pattern: re.Pattern[str], text: str) -> Iterator[tuple[str, str, float]]:
+    """(name, label text, value) of each sample ``pattern`` matches in an exposition page;
+    samples whose value is not a finite number are skipped."""
+    for name, label_text, raw in pattern.findall("\n" + text):
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            yield name, label_text, value
+
+
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 
@@ -72,13 +87,7 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
     cache_config: dict[str, tuple[int | None, int | None]] = {}
     lora: dict[str, tuple[float, _LoraInfo]] = {}
 
-    for name, label_text, raw in _SAMPLE.findall("\n" + text):
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
+    for name, label_text, value in finite_samples(_SAMPLE, text):
         if name in _SUMMED:
             sums[name] = sums.get(name, 0.0) + value
         elif name in (_KV_USAGE, _KV_USAGE_OLD):
