@@ -12,7 +12,6 @@ enters the store unready until its first successful scrape, which the ready filt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Protocol
 from epp.discovery.eds import EdsFile
 from epp.discovery.source import EndpointSource
 from epp.discovery.spec import DiscoverySpec, DnsSpec, KubernetesSpec, StaticSpec
+from epp.discovery.tasks import cancel_all
 from epp.roles import Role
 
 
@@ -168,11 +168,7 @@ class Discovery:
     async def stop(self) -> None:
         tasks = [r.task for r in self._pools.values()]
         self._pools.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(tasks)
 
     async def _follow(self, pool: str, spec: DiscoverySpec) -> None:
         def publish(members: frozenset[str], roles: Mapping[str, Role] | None = None) -> None:

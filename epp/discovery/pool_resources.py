@@ -12,7 +12,6 @@ new generation from it (epp.generation). epp only reads: it writes no status.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -23,6 +22,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from epp.discovery.kubernetes import connect, list_watch
 from epp.discovery.policy import ClusterPolicy
 from epp.discovery.spec import KubernetesSpec
+from epp.discovery.tasks import cancel_all
 from epp.rewrite import Rule
 from epp.rewrite.kubernetes import GROUPS, VERSION, Resource, oldest_first, rewrite_rules
 
@@ -152,11 +152,7 @@ class ClusterResources:
     async def stop(self) -> None:
         tasks = [task for _, task in self._running.values()]
         self._running.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(tasks)
 
     async def _follow(self, pool: str, spec: KubernetesSpec) -> None:
         def publish(resources: ClusterPolicy) -> None:
