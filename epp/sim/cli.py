@@ -73,7 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--tokenizer", type=Path, default=BUNDLED_DIR, help="HF tokenizer directory")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="seed of the error_rate fault's draws")
     p.add_argument(
         "--kv-connector",
         choices=["nixl", "shared-storage"],
@@ -167,7 +166,6 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
             kv_events_topic=args.kv_events_topic,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             crash_exits_process=args.replicas == 1,
-            seed=args.seed + i,
             kv_transfer=transfer,
             speaks=args.engine,
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -42,7 +41,6 @@ class ReplicaConfig:
     # A crash fault ends the process when this replica is alone in it; with --replicas (or in
     # tests) it only drops this replica's listener and connections.
     crash_exits_process: bool = False
-    seed: int = 0
     # A KV connector (prefill/decode disaggregation), or None.
     kv_transfer: KVTransferConfig | None = None
     # Whose /metrics names and KV-event format the replica uses: "vllm" or "sglang".
@@ -57,7 +55,7 @@ class Replica:
     def __init__(self, config: ReplicaConfig, tokenizer: SimTokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.faults = Faults(rng=random.Random(config.seed))
+        self.faults = Faults()
         # vLLM numbers adapters from 1 in --lora-modules order; KV events carry the id.
         self.lora_ids = {name: i for i, name in enumerate(config.lora_modules, start=1)}
         ecfg = config.engine
