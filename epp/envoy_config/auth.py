@@ -19,8 +19,6 @@ from epp.envoy_config.common import (
 from epp.envoy_config.limits import circuit_breakers
 
 JWT_PROVIDER = "epp"
-
-
 AUTH_CLUSTER = "auth"
 
 

@@ -7,23 +7,13 @@ import ipaddress
 from typing import Any, Literal
 
 Mode = Literal["buffered", "full-duplex"]
-
-
 MODES: tuple[Mode, ...] = ("buffered", "full-duplex")
 
-
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-
 POOL_CLUSTER = "pool"
-
-
 EPP_CLUSTER = "epp"
 
-
 _TYPE = "@type"
-
-
 _T = "type.googleapis.com/"
 
 

@@ -89,10 +89,11 @@ def render(
     """Envoy 1.40 bootstrap YAML routing every request through epp.
 
     ``extproc`` lists the epp processes (``host:port``); ``health`` optionally gives each one's
-    gRPC health address (``host:port`` or port), by position; see :func:`_health_addresses`
-    for the defaults. ``eds_dir``: Envoy reads the pool's endpoints from the EDS file
-    ``epp serve --eds-dir`` writes there (needed for Kubernetes pools; docs/discovery.md).
-    ``tls``: reach epp over TLS (docs/security.md). Raises ValueError on a malformed address.
+    gRPC health address (``host:port`` or port), by position; see
+    :func:`epp.envoy_config.epp_cluster._health_addresses` for the defaults. ``eds_dir``: Envoy
+    reads the pool's endpoints from the EDS file ``epp serve --eds-dir`` writes there (needed
+    for Kubernetes pools; docs/discovery.md). ``tls``: reach epp over TLS (docs/security.md).
+    Raises ValueError on a malformed address.
     """
     data = bootstrap(
         config,

@@ -18,10 +18,7 @@ from tokenizers import Encoding, Tokenizer
 
 log = logging.getLogger(__name__)
 
-
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-
-
 # Spacing of restart points: reuse gives up at most this much of a shared prefix.
 RESTART_SPACING = 1024
 # A restart point used for reuse must end this far before the texts diverge: pre-tokenizer

@@ -58,13 +58,10 @@ from epp.request import InferenceRequest
 
 log = logging.getLogger(__name__)
 
-
 # A short stall of the event loop at most; longer uncached stretches go to the worker thread.
 DEFAULT_MAX_INLINE_CHARS = 8192
 # Chat renders kept for requests in flight between preparation and scoring.
 RENDERED_KEPT = 64
-
-
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
