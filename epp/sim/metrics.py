@@ -8,7 +8,7 @@ wall-clock seconds as observed by clients, i.e. already shrunk by --time-scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from epp.sim.engine import Engine
 from epp.sim.exposition import (
@@ -116,6 +116,23 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
+        self._request_histograms(histogram, max_model_len)
+        info_labels = {**cache_info, "engine": "0"}
+        r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
+            **info_labels
+        ).set(1)
+        # No engine/model_name labels, as in vLLM.
+        self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
+        self._seen_prefix = (0, 0)
+        self._seen_external = (0, 0)
+        self._seen_preemptions = 0
+
+    def _request_histograms(
+        self,
+        histogram: Callable[[str, str, Sequence[float]], HistogramChild],
+        max_model_len: int,
+    ) -> None:
+        """Each request's latencies, phase times and token counts, in vLLM's buckets."""
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -161,15 +178,6 @@ class EngineMetrics:
             "Number of generation tokens processed.",
             token_buckets(max_model_len),
         )
-        info_labels = {**cache_info, "engine": "0"}
-        r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
-            **info_labels
-        ).set(1)
-        # No engine/model_name labels, as in vLLM.
-        self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
-        self._seen_prefix = (0, 0)
-        self._seen_external = (0, 0)
-        self._seen_preemptions = 0
 
     def on_step(self, engine: Engine, batch: Batch | None) -> None:
         self.refresh(engine)
