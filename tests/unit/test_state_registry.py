@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from epp.config import Config, parse_config
+from epp.prefix.approximate import APPROX_PREFIX, approx_prefix
 from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
 from epp.router import Router
 from epp.scheduling.scorers.prefix import PrefixCacheScorer, PrefixParams
 from epp.state import EndpointState
-from epp.state.fleet import APPROX_PREFIX, FleetState, approx_prefix
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.state.registry import StateKey, States
@@ -59,7 +60,7 @@ def test_scorers_with_other_block_sizes_never_see_each_others_entries() -> None:
     small.on_pick(prompt, EPS[0], c)
     # The small-block scorer's pick taught its own index only.
     assert fleet.states.get(approx_prefix(BlockHasher(block_chars=32))).size(A) == 8
-    assert fleet.prefix.size(A) == 0
+    assert fleet.states.get(approx_prefix()).size(A) == 0
     assert scored(default, prompt, EPS, cycle(fleet)) == [0.0, 0.0]
     assert scored(small, prompt, EPS, cycle(fleet)) == [1.0, 0.0]
     assert len(fleet.states.named(APPROX_PREFIX)) == 2
@@ -75,12 +76,13 @@ def test_applying_a_profile_declares_its_states_before_any_request() -> None:
 def test_a_retry_moves_what_every_journaled_state_recorded() -> None:
     fleet = FleetState()
     # Both declared, as applying a configuration does, before the pick is recorded.
-    default, small = fleet.prefix, fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
+    default = fleet.states.get(approx_prefix())
+    small = fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
     with Recording(fleet.states) as learned:
         default.insert(A, [1, 2], 100)
         small.insert(A, [7, 8, 9], 100)
     assert [(item.endpoint, item.hashes) for item in learned] == [(A, [1, 2]), (A, [7, 8, 9])]
-    record = PickRecord(fleet.inflight.add(A, 10), None, learned)
+    record = PickRecord(fleet.inflight.add(A, 10), learned)
     moved = move_pick(fleet, record, B, 0.0)
     assert default.match([1, 2], [A, B]) == {A: 0, B: 2}
     assert small.match([7, 8, 9], [A, B]) == {A: 0, B: 3}
@@ -125,7 +127,7 @@ async def test_a_reload_that_changes_the_block_size_starts_another_index() -> No
         InferenceRequest("1", "/v1/completions", "completions", "tiny", prompt)
     )
     picked = decision.endpoints[0].address
-    assert router.fleet.prefix.size(picked) == 4
+    assert router.fleet.states.get(approx_prefix()).size(picked) == 4
     router.config = _config(32)
     small = router.fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
     # Declared by the reload, empty: nothing learned under 64-byte blocks is matched by it.
@@ -133,4 +135,4 @@ async def test_a_reload_that_changes_the_block_size_starts_another_index() -> No
     assert len(router.fleet.states.named(APPROX_PREFIX)) == 2
     router.route(_request(prompt))
     assert sum(small.size(e) for e in (A, B)) == 8
-    assert router.fleet.prefix.size(picked) == 4  # kept, untouched
+    assert router.fleet.states.get(approx_prefix()).size(picked) == 4  # kept, untouched
