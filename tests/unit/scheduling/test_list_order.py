@@ -29,6 +29,7 @@ from epp.scheduling.scorers.session import SESSIONS
 from epp.scheduling.scorers.ttft import PREFILL_BACKLOG
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
+from tests.unit.extending import least_picked  # noqa: F401  (docs/extending.md configures it)
 from tests.unit.scheduling.common import text
 
 ROOT = Path(__file__).resolve().parents[3]
