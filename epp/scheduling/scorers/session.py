@@ -31,6 +31,8 @@ from epp.state.snapshot import EndpointState
 
 # No parameter changes what a binding means (the TTL is applied when binding). The tag
 # ``sessions`` is the pick-stream channel of every release: a rolling upgrade shares sessions.
+# Without Redis nobody takes the bindings kept for shipping: the table holds only the newest
+# few thousand of them (as the prefix index does its insertions).
 SESSIONS = StateKey(
     "sessions", SharedSessionTable, moves=True, replicated=Replication(Binding, binding)
 )
