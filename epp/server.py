@@ -36,15 +36,16 @@ from epp.extproc.servicer import ExtProcServicer
 from epp.gc_tuning import settle_heap
 from epp.metrics.pool_gauges import PoolGauges
 from epp.observability import CONFIG_RELOADS, CONFIG_RESTART_REQUIRED
+from epp.prefix.approximate import APPROX_PREFIX
 from epp.prefix.invalidation import CacheInvalidator
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.router import Router
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
-from epp.state.fleet import APPROX_PREFIX, FleetState
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.shared.connect import hash_tag
-from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LEASE_INTERVALS, SharedState
 from epp.tls import client_context, grpc_credentials, server_context
 from epp.tracing import Tracing
@@ -82,10 +83,9 @@ def make_store(config: Config) -> StateStore:
 
 def make_shared(config: Config, store: StateStore) -> tuple[FleetState, SharedState | None]:
     """The routing state, and with Redis what makes this process one of an active-active group."""
+    fleet = FleetState(store)
     if config.store.backend != "redis":
-        return FleetState(store), None
-    # Sessions are replicated through the table subclass that records local bindings.
-    fleet = FleetState(store, sessions=SharedSessionTable())
+        return fleet, None
     shared = SharedState(
         config.store.redis_url,
         fleet,
@@ -148,7 +148,7 @@ class Server:
             self.store.snapshot, lambda: self.router.config.pools, self.router.demand
         )
         self._invalidator = CacheInvalidator(lambda: self.fleet.states.named(APPROX_PREFIX))
-        self.kv_events = KvEventSubscriber(self.fleet.precise)
+        self.kv_events = KvEventSubscriber(self.fleet.states.get(PRECISE_INDEX))
         self.discovery = Discovery(self._endpoints_changed, discovery)
         # Rewrites and objectives from the cluster, for pools that follow an InferencePool.
         self._overrides = (discovery or DiscoveryOptions()).overrides
@@ -275,7 +275,8 @@ class Server:
 
     def _apply_prefix_sources(self, config: Config) -> None:
         """Point the precise prefix scorer's inputs (tokenizers, KV events) at ``config``."""
-        self.fleet.tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
+        tokenizers = self.fleet.states.get(TOKENIZERS)
+        tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
         self.kv_events.set_endpoints(config.kv_events)
 
     def _apply_trust(self, config: Config) -> None:

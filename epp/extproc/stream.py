@@ -484,9 +484,7 @@ class StreamHandler:
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
         ahead = ticket.basis.prefill_ahead if ticket.basis is not None else ticket.prefill
-        self.context.pick = PickRecord(
-            ticket, request.session, picked_at=self._clock(), prefill_ahead=ahead
-        )
+        self.context.pick = PickRecord(ticket, picked_at=self._clock(), prefill_ahead=ahead)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self.context.request = request
         OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))

@@ -74,7 +74,7 @@ _SPECIAL_TOKEN_NAMES = (
 
 
 class TokenizerRegistry:
-    """Model name -> its tokenizer; lives in :class:`~epp.state.fleet.FleetState`.
+    """Model name -> its tokenizer; in the fleet state under :data:`~epp.prefix.precise.TOKENIZERS`.
 
     Tokenizers are loaded once per directory when a configuration names them and kept across
     reloads (with their caches) while some model still names the directory.
