@@ -3,9 +3,10 @@
 Background tasks (scraping, store sync, health, config reload) write state; the gRPC handlers
 only read it. A reload validates the new file first and keeps the old configuration if the new
 one is bad; streams in flight finish with the configuration they started with. What a reload
-applies is decided by one table, :data:`epp.config.SECTIONS`: reloadable sections take effect
-(the scrape timing included, with everything derived from the interval), restart-only ones are
-logged once and counted in ``epp_config_restart_required_total{section}``.
+applies is decided by the schema's reload policies (:data:`epp.config.SECTIONS`): restart-only
+sections are logged once and counted in ``epp_config_restart_required_total{section}``; each
+reloadable one is applied by what the server registers for it in :attr:`Server.appliers` (the
+scrape timing included, with everything derived from the interval).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from prometheus_client import REGISTRY
 from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
 from epp.admission.budget_sync import BudgetSync
-from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
+from epp.config import SECTIONS, Config, ConfigError, Reload, load_config
+from epp.config.appliers import Appliers
 from epp.config_advice import advice
 from epp.discovery import Discovery, DiscoveryOptions, KubernetesSpec
 from epp.discovery.manager import pool_specs
@@ -158,12 +160,40 @@ class Server:
         self._health_grpc: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._mtime = _mtime(config_path)
+        self.appliers = self._register_appliers()
+
+    def _register_appliers(self) -> Appliers:
+        """What applies each reloadable section on a reload, in this order."""
+        appliers = Appliers()
+        appliers.register(self._discover, ["pools.*.discovery"])
+        # The router swaps everything derived from these at once (epp.router); passive health
+        # and the scraper's targets follow in the same call. ``edge`` is carried by the running
+        # configuration only: Envoy reads it when ``epp envoy-config`` renders it again.
+        appliers.register(
+            self._use,
+            [
+                "models",
+                "pools",
+                "routing",
+                "request",
+                "admission",
+                "budgets",
+                "overflow",
+                "autoscaling",
+                "scheduling",
+                "health",
+                "edge",
+            ],
+        )
+        appliers.register(self._apply_prefix_sources, ["models.*.tokenizer", "pools.*.endpoints"])
+        appliers.register(self._apply_trust, ["pools.*.metrics_tls"])
+        appliers.register(self._apply_scrape, ["scrape"])
+        return appliers
 
     async def run(self) -> None:
         config = self.router.config
         await self.store.start()
-        self.discovery.configure(config)
-        self._follow_resources(config)
+        self._discover(config)
         config = self._use(config)
         if self.shared is not None:
             await self.shared.start()
@@ -180,7 +210,32 @@ class Server:
         await self.kv_events.start()
         if config.tracing.enabled:
             self.router.tracing = Tracing(config.tracing)
+        await self._listen(config)
+        if self._own_process:
+            # Everything above lives as long as the process: out of the collector's way.
+            settle_heap()
+        tls = config.server.tls
+        log.info(
+            "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
+            config.server.host,
+            config.server.extproc_port,
+            config.server.health_port,
+            config.server.metrics_port,
+            "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
+            len(config.models),
+            len(config.endpoint_pools()),
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
+        ticker = asyncio.create_task(self._tick())
+        await self._stopping.wait()
+        ticker.cancel()
+        await self._stop()
 
+    async def _listen(self, config: Config) -> None:
+        """Start the ext_proc, gRPC health and metrics/admin servers."""
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router), self._grpc
@@ -211,37 +266,21 @@ class Server:
         await self._grpc.start()
         await self._health_grpc.start()
         await self.health.start()
-        if self._own_process:
-            # Everything above lives as long as the process: out of the collector's way.
-            settle_heap()
-        log.info(
-            "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
-            host,
-            config.server.extproc_port,
-            config.server.health_port,
-            config.server.metrics_port,
-            "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
-            len(config.models),
-            len(config.endpoint_pools()),
-        )
 
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stopping.set)
-        ticker = asyncio.create_task(self._tick())
-        await self._stopping.wait()
+    async def _stop(self) -> None:
+        """Drain (NOT_SERVING, then open streams finish), then stop everything started."""
         server = self.router.config.server
         log.info(
             "epp stopping: NOT_SERVING for %.1fs, then up to %.0fs for open streams",
             server.drain_seconds,
             server.shutdown_grace_seconds,
         )
-        ticker.cancel()
         await self.health.shutdown()
         await asyncio.sleep(server.drain_seconds)
-        await self._grpc.stop(grace=server.shutdown_grace_seconds)
-        await self._health_grpc.stop(grace=0)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=server.shutdown_grace_seconds)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(grace=0)
         if self._admin is not None:
             await self._admin.cleanup()
         REGISTRY.unregister(self.pool_gauges)
@@ -305,17 +344,13 @@ class Server:
             log.error("configuration reload rejected, keeping the current one: %s", exc)
             return False
         new = self._keep_restart_only(new)
-        self.discovery.configure(new)
-        self._follow_resources(new)
-        new = self._use(new)
-        self._apply_prefix_sources(new)
-        self._apply_trust(new)
-        self._apply_scrape(new.scrape)
+        self.appliers.apply(new)
         CONFIG_RELOADS.labels("ok").inc()
+        running = self.router.config
         log.info(
             "configuration reloaded: %d models, %d endpoints",
-            len(new.models),
-            len(new.endpoint_pools()),
+            len(running.models),
+            len(running.endpoint_pools()),
         )
         return True
 
@@ -349,7 +384,10 @@ class Server:
     def _endpoints_changed(self) -> None:
         self._use(self.router.config)
 
-    def _follow_resources(self, config: Config) -> None:
+    def _discover(self, config: Config) -> None:
+        """Start, change or stop each pool's discovery source, and follow the InferencePools'
+        objectives and rewrites."""
+        self.discovery.configure(config)
         specs = pool_specs(config, self._overrides)
         self.resources.configure(
             {pool: s for pool, s in specs.items() if isinstance(s, KubernetesSpec)}
@@ -380,9 +418,10 @@ class Server:
             kept[section] = getattr(running, section)
         return replace(new, **kept)  # type: ignore[arg-type]
 
-    def _apply_scrape(self, scrape: ScrapeConfig) -> None:
+    def _apply_scrape(self, config: Config) -> None:
         """The scrape timing and what follows the interval: the state store's refresh and the
         shared-state sync (admission's staleness is derived in the configuration itself)."""
+        scrape = config.scrape
         self.scraper.set_timing(scrape.interval, scrape.timeout, scrape.failure_threshold)
         self.store.set_refresh_interval(scrape.interval)
         if self.shared is not None:

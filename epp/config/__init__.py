@@ -8,7 +8,7 @@ one :class:`ConfigError`; every profile is checked, selected or not. The referen
 docs/configuration.md is generated from the declarations (``python -m epp.config.reference``).
 A :class:`Config` holds no live objects: the router builds the selected profile's plugins from
 its specification (:mod:`epp.scheduling.builder`). :data:`SECTIONS` says which sections a reload
-applies.
+applies; :mod:`epp.config.appliers` holds what applies each.
 
 Secrets need not be inline (:mod:`epp.secrets`): each secret key (``server.debug_token``,
 ``routing.explain_token``, ``store.redis_url``, ``store.redis_username``,
