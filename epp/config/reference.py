@@ -88,10 +88,10 @@ def _value(f: Any, hint: Any, declared: Knob, inner: type[Any] | None) -> str:
     plain, optional = unwrap_optional(hint)
     if declared.shape:
         text = f"`{declared.shape}`"
-    elif inner is not None:
-        text = "mapping: below" if plain is inner else "entries: below"
+    elif declared.entries is not None or inner is not None:
+        text = "mapping: below" if plain is inner or inner is None else "entries: below"
     elif choices_of(plain, declared):
-        text = " \\| ".join(f"`{c}`" for c in choices_of(plain, declared))
+        text = " | ".join(f"`{c}`" for c in choices_of(plain, declared))
     elif typing.get_origin(plain) is tuple:
         text = f"list of {_TYPES.get(typing.get_args(plain)[0], 'values')}"
     else:
@@ -101,7 +101,7 @@ def _value(f: Any, hint: Any, declared: Knob, inner: type[Any] | None) -> str:
         text += f"; a secret: `${{ENV}}` expanded, or read from the file `{f.name}_file` names"
     if declared.required:
         text += "; required"
-    elif optional and not declared.shape and inner is None:
+    elif optional and not declared.shape and inner is None and declared.entries is None:
         text += " (optional)"
     return text
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from epp.admission.budgets import BudgetPolicy, Limits
 from epp.config.schema import Reload, knob, section
-from epp.config.walker import Node, deferred
+from epp.config.walker import Node, deferred, read_section
 from epp.edge import EdgeLimits
 from epp.metrics.demand import DemandPolicy
 from epp.state.health import HealthConfig
@@ -34,18 +34,22 @@ def domain(cls: type[D], source: Any) -> D:
     return cls(**{name: getattr(source, name) for name in names})
 
 
+@section("TLS on all three listeners; with client_ca, mutual TLS", Reload.RESTART)
+@dataclass(frozen=True, slots=True)
+class ServerTlsSection:
+    cert: str = knob("", doc="PEM certificate file (TLS needs a certificate and its key)")
+    key: str = knob("", doc="its PEM key file")
+    client_ca: str | None = knob(None, doc="PEM CA file the clients' certificates chain to")
+
+
 def _server_tls(node: Node) -> ServerTls | None:
-    if node.value is None:
-        return None
-    node.only("cert", "key", "client_ca")
-    cert = node.get("cert", str, "")
-    key = node.get("key", str, "")
-    for name, value in (("cert", cert), ("key", key)):
-        if not value:
+    given = read_section(ServerTlsSection, node)
+    for name in ("cert", "key"):
+        if not getattr(given, name):
             node.at(name).report("must be set to a PEM file (TLS needs a certificate and its key)")
-    if not cert or not key:
+    if not given.cert or not given.key:
         return None
-    tls = ServerTls(cert, key, node.get("client_ca", str, "") or None)
+    tls = ServerTls(given.cert, given.key, given.client_ca or None)
     for name, problem in server_tls_problems(tls):
         node.at(name).report(problem)
     return tls
@@ -68,10 +72,7 @@ class ServerConfig:
         30.0, ge=0, doc="then this long for open streams (long generations) to finish"
     )
     tls: ServerTls | None = knob(
-        None,
-        read=_server_tls,
-        shape="{cert, key, client_ca}",
-        doc="TLS on all three listeners (PEM files); client_ca: mutual TLS",
+        None, read=_server_tls, entries=ServerTlsSection, doc="TLS (PEM files); unset: plaintext"
     )
     debug_access: str = knob(
         "local",
