@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from epp.config import parse_config
+from epp.config import SECTIONS, File, Reload, parse_config
 from epp.config.appliers import Appliers
 from epp.config.file import reloadable_keys
+from epp.config.schema import policies
 from epp.server import Server
 
 BASE = {
@@ -41,3 +42,12 @@ def test_a_reloadable_key_without_an_applier_is_found() -> None:
     assert applied == [config]
     with pytest.raises(KeyError):
         appliers.register(applied.append, ["helth"])
+
+
+def test_a_restart_only_key_lies_in_a_restart_only_section() -> None:
+    """The server keeps restart-only values section by section (``_keep_restart_only``): a
+    restart-only key inside a reloadable section would be applied anyway."""
+    keys = policies(File, Reload.APPLIED)
+    restart = [key for key, policy in keys.items() if policy is Reload.RESTART]
+    assert {key.split(".")[0] for key in restart} == {"server", "store", "tracing"}
+    assert all(SECTIONS[key.split(".")[0]] is Reload.RESTART for key in restart)
