@@ -30,6 +30,7 @@ from epp.admission.budget_sync import BudgetSync
 from epp.config import SECTIONS, Config, ConfigError, Reload, load_config
 from epp.config.appliers import Appliers
 from epp.config_advice import advice
+from epp.data_parallel import rank_changes, replica_of
 from epp.discovery import Discovery, DiscoveryOptions, KubernetesSpec
 from epp.discovery.manager import pool_specs
 from epp.discovery.pool_resources import ClusterResources
@@ -316,7 +317,9 @@ class Server:
         """Point the precise prefix scorer's inputs (tokenizers, KV events) at ``config``."""
         tokenizers = self.fleet.states.get(TOKENIZERS)
         tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
-        self.kv_events.set_endpoints(config.kv_events)
+        self.kv_events.set_endpoints(
+            config.kv_events, {a: r.index for a, r in config.ranks.items()}
+        )
 
     def _apply_trust(self, config: Config) -> None:
         """TLS for scraping (files read on start and on every reload, so renewed certificates
@@ -367,6 +370,12 @@ class Server:
         roles = self.discovery.roles(config)
         if roles != dict(config.roles):
             config = replace(config, roles=roles)
+        replicas = {
+            pool: tuple(dict.fromkeys(replica_of(config.ranks, a) for a in addrs))
+            for pool, addrs in pools.items()
+        }
+        if config.data_parallel or config.ranks:
+            config = replace(config, **rank_changes(config))
         self.router.config = config
         endpoints = config.endpoint_pools()
         # Overflow pools' replicas are scraped too (spillover needs to know they have room),
@@ -375,10 +384,11 @@ class Server:
         if self.shared is not None:
             self.shared.set_endpoints(scraped)
         self.scraper.set_engines(config.engines)
+        self.scraper.set_ranks({a: (r.replica, r.index) for a, r in config.ranks.items()})
         self.scraper.set_endpoints(scraped)
         self.fleet.health.configure(config.health, endpoints)
         self.fleet.latency.configure(config.weights, endpoints)
-        self.discovery.export(config.pools)
+        self.discovery.export(replicas)  # Envoy knows replicas, not their ranks
         return config
 
     def _endpoints_changed(self) -> None:

@@ -41,6 +41,7 @@ from epp.config.sections import (
     domain,
 )
 from epp.config.walker import ConfigError, Node, read_section
+from epp.data_parallel import DataParallel, Rank
 from epp.discovery.spec import DiscoverySpec
 from epp.edge import Authentication, EdgeLimits
 from epp.metrics.demand import DemandPolicy
@@ -114,6 +115,10 @@ class Config:
     fail_open: frozenset[str] = frozenset()
     # The serving engine of each pool whose replicas are not vLLM (how their /metrics read).
     engines: Mapping[str, Engine] = field(default_factory=dict)
+    # Pools whose replicas run several data-parallel ranks (epp.data_parallel), and at run time
+    # each rank endpoint the server made of them.
+    data_parallel: Mapping[str, DataParallel] = field(default_factory=dict)
+    ranks: Mapping[str, Rank] = field(default_factory=dict)
     source: str = ""
 
     def endpoint_pools(self) -> dict[str, str]:
@@ -195,6 +200,7 @@ def build(file: File, root: Node) -> Config:
         metrics_tls=pools.metrics_tls,
         fail_open=pools.fail_open,
         engines=pools.engines,
+        data_parallel=pools.data_parallel,
         source=root.source,
     )
 

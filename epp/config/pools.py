@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 from epp.admission.spillover import OverflowPool, Spillover
 from epp.config.schema import knob, section
 from epp.config.walker import Node, read_section
+from epp.data_parallel import MAX_RANKS, DataParallel
 from epp.discovery.spec import (
     DEFAULT_DNS_INTERVAL,
     DiscoverySpec,
@@ -24,6 +25,7 @@ from epp.discovery.spec import (
 from epp.rewrite import Target
 from epp.roles import ROLES, Role, parse_role
 from epp.tls import ClientTls, client_tls_problems
+from epp.wire import DATA_PARALLEL_HEADERS, DATA_PARALLEL_HOST_PORT
 
 # What serves a pool's replicas (docs/sglang.md): decides how their /metrics page reads.
 Engine = Literal["vllm", "sglang"]
@@ -225,6 +227,19 @@ class ClientTlsSection:
         return tls
 
 
+@section("several data-parallel engines behind each replica")
+@dataclass(frozen=True, slots=True)
+class DataParallelSection:
+    size: int = knob(
+        1, ge=1, le=MAX_RANKS, doc="ranks per replica, each scheduled as an endpoint of its own"
+    )
+    header: str = knob(
+        DATA_PARALLEL_HOST_PORT,
+        choices=DATA_PARALLEL_HEADERS,
+        doc="names the picked rank: llm-d's host:port+rank, or vLLM's rank index",
+    )
+
+
 @section("a set of replicas serving the same models")
 @dataclass(frozen=True, slots=True)
 class PoolSection:
@@ -239,6 +254,9 @@ class PoolSection:
     metrics_tls: ClientTlsSection | None = knob(None, doc="scrape /metrics over https")
     overflow: tuple[str, ...] = knob((), doc="overflow entries to spill to while saturated")
     engine: Engine = knob("vllm", doc="what serves the replicas: whose /metrics names they use")
+    data_parallel: DataParallelSection | None = knob(
+        None, doc="each replica runs several data-parallel ranks"
+    )
     epp_unreachable: Literal["fail_closed", "fail_open"] = knob(
         "fail_closed", doc="no epp answers: 503, or Envoy balances the pool itself"
     )
@@ -260,18 +278,23 @@ class Pools(NamedTuple):
     metrics_tls: dict[str, ClientTls]
     fail_open: frozenset[str]
     engines: dict[str, Engine]
+    data_parallel: dict[str, DataParallel]
 
 
 def build_pools(sections: Mapping[str, PoolSection], node: Node) -> Pools:
     """Every pool's endpoint addresses (a discovered pool starts empty: epp.discovery fills it
     at run time) and what the file says about each endpoint and pool."""
-    pools = Pools({}, {}, {}, {}, {}, {}, frozenset(), {})
+    pools = Pools({}, {}, {}, {}, {}, {}, frozenset(), {}, {})
     seen: dict[str, str] = {}
     fail_open = set()
     for name, pool in sections.items():
         here = node.at(name)
         if pool.engine != "vllm":
             pools.engines[name] = pool.engine
+        if pool.data_parallel is not None:
+            pools.data_parallel[name] = DataParallel(
+                pool.data_parallel.size, pool.data_parallel.header
+            )
         if pool.epp_unreachable == "fail_open":
             fail_open.add(name)
         if pool.metrics_tls is not None:

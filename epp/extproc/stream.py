@@ -35,6 +35,7 @@ from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
+from epp.data_parallel import replica_of, routed
 from epp.errors import RequestError
 from epp.extproc import buffered, responses
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
@@ -244,7 +245,7 @@ class StreamHandler:
             pick is not None
             and context.spilled is None
             and served is not None
-            and served != pick.endpoint
+            and served != replica_of(self._router.config.ranks, pick.endpoint)
         ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
             # the picked endpoint failed an attempt, unless it joined so recently that Envoy
@@ -488,13 +489,13 @@ class StreamHandler:
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self.context.request = request
         OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))
-        destination = ",".join(e.address for e in decision.endpoints)
+        # Envoy knows replicas: a data-parallel rank is named in a header (epp.data_parallel).
+        destination, extra = routed(self._router.config.ranks, decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
-        extra: responses.Headers = ()
         if decision.prefill is not None:
-            # Set, not also removed: Envoy applies removals after sets.
-            extra = ((decision.prefill_header, decision.prefill.address),)
-            remove = [h for h in remove if h != decision.prefill_header]
+            extra = ((decision.prefill_header, decision.prefill.address), *extra)
+        # Set, not also removed: Envoy applies removals after sets.
+        remove = [h for h in remove if h not in dict(extra)]
         scores = None
         config = self.context.generation.config
         if decision.scores is not None and config.routing.explains_to(
