@@ -55,11 +55,18 @@ class EngineMetrics:
     """Implements the engine's observer interface and renders /metrics."""
 
     def __init__(
-        self, model_name: str, cache_info: dict[str, str], max_loras: int, max_model_len: int
+        self,
+        model_name: str,
+        cache_info: dict[str, str],
+        max_loras: int,
+        max_model_len: int,
+        registry: Registry | None = None,
+        rank: int = 0,
     ) -> None:
-        self.registry = r = Registry()
+        # The engines of a data-parallel server share one page, each labelled engine="rank".
+        self.registry = r = Registry() if registry is None else registry
         self.max_loras = max_loras
-        labels = {"engine": "0", "model_name": model_name}
+        labels = {"engine": str(rank), "model_name": model_name}
 
         def gauge(name: str, doc: str) -> GaugeChild:
             return r.add(Gauge(name, doc)).labels(**labels)
@@ -117,7 +124,7 @@ class EngineMetrics:
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
         self._request_histograms(histogram, max_model_len)
-        info_labels = {**cache_info, "engine": "0"}
+        info_labels = {**cache_info, "engine": str(rank)}
         r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
             **info_labels
         ).set(1)
@@ -238,8 +245,3 @@ class EngineMetrics:
         self.decode_time.observe(req.finish_time - req.first_token_time)
         self.request_prompt_tokens.observe(req.num_prompt_tokens)
         self.request_generation_tokens.observe(len(req.output_token_ids))
-
-    def render(self, engine: Engine) -> bytes:
-        # Refreshed at scrape time too, so a paused engine still shows its growing queue.
-        self.refresh(engine)
-        return self.registry.render()
