@@ -361,6 +361,9 @@ class ModelConfig:
         entries=RewriteSection,
         doc="requests go to these models, a share each by weight (docs/rewrite.md)",
     )
+    rewrite_sticky: bool = knob(
+        True, doc="a session stays on one rewrite target; false: every request draws"
+    )
 
     def checked(self, node: Node) -> ModelConfig:
         if not self.rewrite and node.at("pools").value is None:
