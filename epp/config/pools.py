@@ -227,7 +227,7 @@ class ClientTlsSection:
         return tls
 
 
-@section("several data-parallel engines behind each replica")
+@section("several data-parallel engines behind each replica (docs/data-parallel.md)")
 @dataclass(frozen=True, slots=True)
 class DataParallelSection:
     size: int = knob(
