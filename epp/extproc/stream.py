@@ -241,11 +241,13 @@ class StreamHandler:
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
         pick = context.pick
+        if pick is not None and served == replica_of(self._router.config.ranks, pick.endpoint):
+            served = observer.served = pick.endpoint  # a rank: Envoy names its replica
         if (
             pick is not None
             and context.spilled is None
             and served is not None
-            and served != replica_of(self._router.config.ranks, pick.endpoint)
+            and served != pick.endpoint
         ):
             # Envoy retried: the work, the prefix blocks and the session are on `served`, and
             # the picked endpoint failed an attempt, unless it joined so recently that Envoy

@@ -22,8 +22,10 @@ from epp.sources.vllm_metrics import parse_vllm_metrics
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
+from epp.wire import SERVED
 from tests.unit.conftest import eventually
 from tests.unit.prefix.helpers import message, stored
+from tests.unit.test_response_stream import _response_headers
 from tests.unit.test_scraper import FakeVllm, _ready
 from tests.unit.test_stream import BODY, body_msg, destination, headers_msg
 
@@ -269,3 +271,27 @@ async def test_answer_goes_to_the_replica_and_names_the_rank(
     # The client's copies go; the one epp sets is not removed after being set.
     assert set(mutation.remove_headers) == set(spoofed) - {name}
     assert json.loads(BODY)["model"] == "tiny"
+
+
+async def test_the_replica_envoy_reports_is_the_picked_rank_not_a_retry() -> None:
+    router = await _dp_router(None)
+    handler = StreamHandler(router)
+    handler.handle(headers_msg())
+    handler.handle(body_msg(BODY))
+    handler.settle()
+    assert handler.ticket is not None
+    assert handler.ticket.endpoint == "127.0.0.1:8001"
+    moved = REGISTRY.get_sample_value("epp_requests_moved_total") or 0.0
+    # Envoy names the replica it sent to: the request stays on rank 1, nothing moved to rank 0.
+    handler.handle(_response_headers({":status": "200", SERVED: "127.0.0.1:8000"}))
+    assert handler.ticket.endpoint == "127.0.0.1:8001"
+    assert router.fleet.inflight.load("127.0.0.1:8001").requests == 1
+    assert router.fleet.inflight.load("127.0.0.1:8000").requests == 0
+    assert (REGISTRY.get_sample_value("epp_requests_moved_total") or 0.0) == moved
+    # A retry to another replica does move it there.
+    other = StreamHandler(router)
+    other.handle(headers_msg())
+    other.handle(body_msg(BODY))
+    other.handle(_response_headers({":status": "200", SERVED: "127.0.0.1:9000"}))
+    assert other.ticket is not None
+    assert other.ticket.endpoint == "127.0.0.1:9000"
