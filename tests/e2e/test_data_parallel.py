@@ -19,18 +19,20 @@ import pytest
 
 from epp.devstack import Stack, free_port_run
 from tests.e2e.client import Reply, completion, request
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import BODY_MODES, make_stack
 from tests.e2e.fleet import epp_metric, wait_until
 
 RANKS = 2
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=BODY_MODES)
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     base = free_port_run(2 * RANKS)
     s = make_stack(
         tmp_path_factory.mktemp("data-parallel"),
-        "buffered",
+        request.param,
         "memory",
         replicas=2,
         sim_base_port=base,
