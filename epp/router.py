@@ -360,8 +360,14 @@ class Router:
         if decision.prefill is not None:
             # The decode replica loads the prompt's KV instead of prefilling it, and the
             # request's TTFT is partly another replica's: no prefill work here, and nothing
-            # for the latency model to learn about this replica's prefill speed.
-            ticket = inflight.add(first.address, request.expected_tokens(cached))
+            # for the latency model to learn about this replica's prefill speed. The prefill
+            # replica counts the leg until the first token (epp.state.inflight).
+            ticket = inflight.add(
+                first.address,
+                request.expected_tokens(cached),
+                prefiller=decision.prefill.address,
+                prefiller_tokens=decision.prefill_tokens,
+            )
         else:
             features = ttft_features(uncached, inflight.load(first.address), first)
             predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
@@ -392,6 +398,7 @@ class Router:
         decider, profile = gen.profile.decider, gen.prefill
         decode = decision.endpoints[0]
         prefill = None
+        prefill_tokens = 0
         wanted = False
         why: dict[str, Any] = {"uncached_tokens": uncached}
         if decider is not None and profile is not None:
@@ -406,6 +413,8 @@ class Router:
                 picked = profile.run(request, candidates, own, 1, explain, laps, defer)
                 if picked.endpoints and picked.endpoints[0].address != decode.address:
                     prefill = picked.endpoints[0]
+                    hit = (own.get(CACHED_TOKENS) or {}).get(prefill.address, 0)
+                    prefill_tokens = max(0, request.prompt_tokens() - hit)
                 why["prefill_scores"] = picked.scores
         kind = "decode-only" if prefill is None else "prefill-decode"
         DISAGG_DECISIONS.add((kind,))
@@ -417,6 +426,7 @@ class Router:
         return replace(
             decision,
             prefill=prefill,
+            prefill_tokens=prefill_tokens,
             prefill_header="" if prefill is None or decider is None else decider.header,
             disaggregation=why if explain else None,
         )

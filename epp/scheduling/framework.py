@@ -229,6 +229,8 @@ class Decision:
     # Disaggregated: the replica that runs the prefill, and the header naming it.
     prefill: EndpointState | None = None
     prefill_header: str = ""
+    # The prompt tokens the prefill replica does not cache: its prefill leg's work.
+    prefill_tokens: int = 0
     # Why it was (not) disaggregated; filled only when asked to explain.
     disaggregation: dict[str, Any] | None = None
 

@@ -10,6 +10,11 @@ prefill work the endpoint still has to do, ahead of any request sent after it (v
 FCFS). The response path reports the first token (:meth:`InflightTracker.prefilled`), so
 ``prefill`` and ``waiting`` count exactly the prefill queued on each endpoint, the latency
 model's queueing input (:mod:`epp.state.latency`).
+
+A disaggregated request (docs/pd.md) also puts its prefill leg on the prefill replica: that
+replica counts one request prefilling the prompt tokens it does not cache, from the pick until
+the decode replica's first token, which the decode sidecar sends only after the prefill leg
+answered (or failed, and the decode replica prefilled itself).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class Ticket:
     prefill: int = 0
     waiting: bool = True
     basis: Basis | None = None
+    # Disaggregated: the prefill replica running the prefill leg and the uncached prompt tokens
+    # counted there while ``waiting`` ("" and 0 otherwise, and once the first token arrived).
+    prefiller: str = ""
+    prefiller_tokens: int = 0
 
 
 # What an endpoint with nothing in flight reads as: one instance, as scorers ask for every
@@ -69,23 +78,28 @@ class InflightTracker:
         self.remote: Mapping[str, Load] = {}
 
     def add(
-        self, endpoint: str, tokens: int, prefill: int = 0, basis: Basis | None = None
+        self,
+        endpoint: str,
+        tokens: int,
+        prefill: int = 0,
+        basis: Basis | None = None,
+        prefiller: str = "",
+        prefiller_tokens: int = 0,
     ) -> Ticket:
-        load = self._local.get(endpoint)
-        if load is None:
-            load = self._local[endpoint] = Load()
-        load.requests += 1
-        load.tokens += tokens
-        load.prefill += prefill
-        load.waiting += 1
-        return Ticket(endpoint, tokens, prefill, True, basis)
+        """Count a request on ``endpoint``, and its prefill leg on ``prefiller`` if given."""
+        self._count(endpoint, tokens, prefill)
+        if prefiller:
+            self._count(prefiller, prefiller_tokens, prefiller_tokens)
+        return Ticket(endpoint, tokens, prefill, True, basis, prefiller, prefiller_tokens)
 
     def move(self, ticket: Ticket, endpoint: str) -> Ticket:
         """The work of ``ticket`` is on ``endpoint`` after all (a retry served it): the new
         ticket replaces the old one, which must not be released. What was predicted for the
         picked endpoint says nothing about this one: the new ticket has no basis."""
         self.release(ticket)
-        moved = self.add(endpoint, ticket.tokens, ticket.prefill)
+        moved = self.add(
+            endpoint, ticket.tokens, ticket.prefill, None, ticket.prefiller, ticket.prefiller_tokens
+        )
         if not ticket.waiting:
             return self.prefilled(moved)
         return moved
@@ -99,17 +113,37 @@ class InflightTracker:
         if load is not None:
             load.prefill = max(0, load.prefill - ticket.prefill)
             load.waiting = max(0, load.waiting - 1)
-        return replace(ticket, prefill=0, waiting=False)
+        self._release_prefiller(ticket)
+        return replace(ticket, prefill=0, waiting=False, prefiller="", prefiller_tokens=0)
 
     def release(self, ticket: Ticket) -> None:
-        load = self._local.get(ticket.endpoint)
+        if ticket.waiting:
+            self._release_prefiller(ticket)
+        self._drop(ticket.endpoint, ticket.tokens, ticket.prefill, ticket.waiting)
+
+    def _count(self, endpoint: str, tokens: int, prefill: int) -> None:
+        load = self._local.get(endpoint)
+        if load is None:
+            load = self._local[endpoint] = Load()
+        load.requests += 1
+        load.tokens += tokens
+        load.prefill += prefill
+        load.waiting += 1
+
+    def _drop(self, endpoint: str, tokens: int, prefill: int, waiting: bool) -> None:
+        load = self._local.get(endpoint)
         if load is None:
             return
         load.requests = max(0, load.requests - 1)
-        load.tokens = max(0, load.tokens - ticket.tokens)
-        if ticket.waiting:
-            load.prefill = max(0, load.prefill - ticket.prefill)
+        load.tokens = max(0, load.tokens - tokens)
+        if waiting:
+            load.prefill = max(0, load.prefill - prefill)
             load.waiting = max(0, load.waiting - 1)
+
+    def _release_prefiller(self, ticket: Ticket) -> None:
+        """The prefill leg of ``ticket`` is over: nothing of it counts on its replica."""
+        if ticket.prefiller:
+            self._drop(ticket.prefiller, ticket.prefiller_tokens, ticket.prefiller_tokens, True)
 
     def load(self, endpoint: str) -> Load:
         """What is in flight on ``endpoint``; read-only (it may be the tracker's own count, or
