@@ -52,6 +52,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -260,8 +261,7 @@ def renice_engine_core(group: int, nice: int) -> None:
     raise RuntimeError(f"no vLLM engine-core process in process group {group}")
 
 
-@contextlib.contextmanager
-def start_vllm(
+def launch_vllm(
     *,
     lora: bool = False,
     port: int | None = None,
@@ -270,10 +270,9 @@ def start_vllm(
     omp_bind: str | None = None,
     dev_mode: bool = False,
     extra_args: list[str] | None = None,
-    timeout_s: float = 300.0,
-    engine_nice: int = 0,
-) -> Iterator[VllmServer]:
-    """Start vLLM, wait for /health, yield, and always stop it (even on errors).
+) -> VllmServer:
+    """Start vLLM and return at once (not healthy yet): :func:`start_vllm` and
+    :func:`start_vllms` wait for it and always stop it.
 
     dev_mode sets VLLM_SERVER_DEV_MODE=1, which adds `POST /reset_prefix_cache` (the only way
     to make the engine emit AllBlocksCleared) plus other debug routes; off by default so the
@@ -321,22 +320,46 @@ def start_vllm(
             cwd=str(REPO),
             start_new_session=True,
         )
-    srv = VllmServer(
+    return VllmServer(
         proc=proc,
         port=port,
         kv_port=kv_port,
         log_path=log_path,
         lora_name=LORA_NAME if lora else None,
     )
+
+
+@contextlib.contextmanager
+def start_vllms(
+    *servers: dict[str, Any], timeout_s: float = 300.0, engine_nice: int = 0
+) -> Iterator[list[VllmServer]]:
+    """Start one vLLM per dict of :func:`launch_vllm` arguments, all at once (their start-ups,
+    mostly single-threaded imports and engine set-up, overlap on two cores), wait for every one
+    to be healthy, yield them, and always stop them all."""
+    started: list[VllmServer] = []
     try:
-        srv.wait_healthy(timeout_s)
-        if engine_nice:
-            renice_engine_core(proc.pid, engine_nice)
-        # Report what the engine actually uses rather than what we asked for.
-        srv.block_size = int(srv.cache_config()["block_size"])
-        yield srv
+        for kwargs in servers:
+            started.append(launch_vllm(**kwargs))
+        for srv in started:
+            srv.wait_healthy(timeout_s)
+            if engine_nice:
+                renice_engine_core(srv.proc.pid, engine_nice)
+            # Report what the engine actually uses rather than what we asked for.
+            srv.block_size = int(srv.cache_config()["block_size"])
+        yield started
     finally:
-        srv.stop()
+        for srv in started:
+            srv.stop()
+
+
+@contextlib.contextmanager
+def start_vllm(
+    *, timeout_s: float = 300.0, engine_nice: int = 0, **kwargs: Any
+) -> Iterator[VllmServer]:
+    """Start vLLM (:func:`launch_vllm`'s arguments), wait for /health, yield, and always stop
+    it (even on errors)."""
+    with start_vllms(kwargs, timeout_s=timeout_s, engine_nice=engine_nice) as (srv,):
+        yield srv
 
 
 def main() -> None:
