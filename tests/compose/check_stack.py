@@ -113,9 +113,15 @@ def http(
 
 
 class Stack:
-    def __init__(self, compose: list[str]) -> None:
-        self.project = f"epp-compose-test-{os.getpid()}"
+    def __init__(
+        self,
+        compose: list[str],
+        files: tuple[str, ...] = ("docker-compose.yml",),
+        project: str = "epp-compose-test",
+    ) -> None:
+        self.project = f"{project}-{os.getpid()}"
         self.compose = compose
+        self.files = [arg for name in files for arg in ("-f", str(REPO / name))]
         self.ports = {name: free_port() for name in PORTS}
         self.env = {
             **os.environ,
@@ -126,7 +132,7 @@ class Stack:
         }
 
     def run(self, *args: str, check: bool = True) -> str:
-        argv = [*self.compose, "-p", self.project, "-f", str(REPO / "docker-compose.yml"), *args]
+        argv = [*self.compose, "-p", self.project, *self.files, *args]
         out = subprocess.run(
             argv, cwd=REPO, env=self.env, capture_output=True, text=True, check=False
         )

@@ -4,7 +4,8 @@
 # Installs what it needs (Debian: podman runc dnsname dnsmasq-base debootstrap; PyPI:
 # podman-compose in .cache/compose/venv), writes the containers.conf podman needs on these
 # machines (runc, ulimits: crun cannot setrlimit here), builds the images
-# (tests/compose/images.sh) and runs tests/compose/check_stack.py. Needs root (rootful podman).
+# (tests/compose/images.sh) and runs tests/compose/check_stack.py, then tests/compose/check_pd.py
+# (the stack with docker-compose.pd.yml). Needs root (rootful podman).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CACHE=${EPP_COMPOSE_CACHE:-.cache/compose}
@@ -48,4 +49,6 @@ export CONTAINERS_CONF=$PWD/$CACHE/containers.conf
 bash tests/compose/images.sh
 step "images ready after $(( $(date +%s) - started )) s"
 .venv/bin/python tests/compose/check_stack.py "$CACHE/venv/bin/podman-compose"
+step "the P/D overlay (docker-compose.pd.yml)"
+.venv/bin/python tests/compose/check_pd.py "$CACHE/venv/bin/podman-compose"
 step "make test-compose passed in $(( $(date +%s) - started )) s"
