@@ -14,6 +14,7 @@ What it proves, observed on the engines themselves:
   "external_kv_transfer"}`` rise by them, ``local_compute`` only by the rest, D logs
   ``External Cache Hit!``), and the tokens and their logprobs equal aggregated serving on D
   at temperature 0;
+- streamed, the same split answers with intact SSE events, the aggregated text and usage;
 - a short prompt stays on D (decode-only), P is not called;
 - with P stopped, a request still succeeds with the aggregated answer: through Envoy, and
   directly at the sidecar with the prefill header naming P, where the failed prefill leg
@@ -191,6 +192,32 @@ def test_long_prompt_prefilled_on_p_decoded_on_d_as_aggregated(pd: PdFleet) -> N
     logged = pd.decode.log_path.read_text(errors="replace").count("External Cache Hit!")
     assert logged == hits_logged + 1
     same_answer(answer, aggregated)
+
+
+def test_streamed_disaggregated_answer_is_intact(pd: PdFleet) -> None:
+    ids = prompt(LONG)
+    aggregated = complete(pd.decode.base_url, ids)["choices"][0]["text"]
+    pd.fresh()
+    before = pd.counts()
+    body = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    reply = request(pd.stack.url, "/v1/completions", body, timeout=120)
+    assert reply.status == 200, reply.body[:300]
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    text = reply.body.decode()
+    assert text.endswith("data: [DONE]\n\n")
+    events = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n")[:-2]]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == aggregated
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    delta = grew(before, pd.counts())
+    assert (delta["split"], delta["prefill_requests"]) == (1, 1)
+    assert delta["decode_external_hits"] > 0
 
 
 def test_short_prompt_stays_on_the_decode_replica(pd: PdFleet) -> None:
