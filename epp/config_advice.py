@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from epp.config import Config
 from epp.scheduling import plugin_class
-from epp.scheduling.scorers.latency import LATENCY_TARGET
+from epp.scheduling.data import LATENCY_TARGET
 
 
 def advice(config: Config) -> list[str]:

@@ -11,16 +11,18 @@ a change there builds a new generation, like a reload.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from epp.config import Config
 from epp.discovery.policy import ClusterPolicy
-from epp.request import LatencyTarget
+from epp.request import InferenceRequest, LatencyTarget
 from epp.rewrite import AcceptedModels, RewriteTable, Rule
 from epp.rewrite.rules import usable
 from epp.scheduling import Profile, build_profile
+from epp.wire import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
 
 @runtime_checkable
@@ -92,6 +94,34 @@ class Generation:
             models=AcceptedModels(config.models, rewrites),
             problems=tuple(problems),
         )
+
+    def target(self, request: InferenceRequest) -> LatencyTarget | None:
+        """The request's latency targets, each kind (TTFT, TPOT) from the first source that
+        sets it: a trusted caller's header, the request's objective, the profile's default
+        (the latency-target filter's); None when no source sets any. Without headers the
+        answer depends on the objective alone: merged once per generation."""
+        ttft = tpot = None
+        policy, headers = self.config.request, request.headers
+        if policy.trusts(SLO_TTFT_HEADER):
+            ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
+        if policy.trusts(SLO_TPOT_HEADER):
+            tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
+        if ttft is None and tpot is None:
+            return self.objective_targets.get(request.objective, self.objective_targets[""])
+        objective = policy.objective_targets.get(request.objective)
+        return merged(self.default_target, objective, ttft, tpot)
+
+
+def _header_seconds(raw: str | None) -> float | None:
+    """A latency-target header's milliseconds as seconds; None when absent or not a positive
+    finite number (a bad header is no target, never a refusal)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value / 1000 if math.isfinite(value) and value > 0 else None
 
 
 def _rewrites(config: Config, cluster: ClusterPolicy) -> tuple[RewriteTable, list[str]]:

@@ -1,5 +1,11 @@
-"""A request's lifecycle: the context it carries, what its response showed, and the hooks that
-learn from it.
+"""A request's lifecycle: the context it carries, the hooks that admit it, what its response
+showed, and the hooks that learn from it.
+
+Admission is a chain of :class:`AdmissionHook` (budgets, spillover, flow control, shedding),
+run in order by :class:`Admission` once the request is parsed: a hook lets the request go
+on, refuses it (raises a :class:`~epp.errors.RequestError`), sends it to an overflow pool, or
+holds it until it may go on; what they decided is the context's :class:`AdmissionVerdict`.
+When a later hook or the scheduler refuses the request, every hook withdraws what it took.
 
 The stream state machine (:mod:`epp.extproc.stream`) only translates Envoy's messages: when a
 response has ended (or its stream closed first) it builds one :class:`Finished` and hands it
@@ -13,18 +19,22 @@ that raises costs what it would have recorded, never the request or the hooks af
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from epp.admission.budgets import Charge
 from epp.generation import Generation
 from epp.request import InferenceRequest
 from epp.rewrite import Rewrite
+from epp.state import EndpointState
 from epp.state.moves import PickRecord
 from epp.tracing import RequestTrace
 
 log = logging.getLogger("epp.lifecycle")
+H = TypeVar("H")
+# The candidates a request may go to.
+Endpoints = list[EndpointState]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,21 @@ class Outcome:
 
 
 @dataclass(slots=True)
+class AdmissionVerdict:
+    """What the admission hooks decided about one request."""
+
+    # Every hook let it go on (or one sent it elsewhere): it may be routed.
+    admitted: bool = False
+    # What the budget hook charged to the tenant (None: the tenant has no budget). Its
+    # x-ratelimit-* headers go on the response, its tokens are corrected by usage.
+    charge: Charge | None = None
+    # The overflow pool the spill hook sent the request to (no replica of ours serves it).
+    spill: str | None = None
+    # A hook held the request (flow control) before it was admitted.
+    held: bool = False
+
+
+@dataclass(slots=True)
 class RequestContext:
     """Everything one request carries from its stream's first message to its last.
 
@@ -69,14 +94,11 @@ class RequestContext:
     subset: list[str] | None = None
     # Once the body is parsed.
     request: InferenceRequest | None = None
-    # What admission charged to the tenant's budget (None: the tenant has no budget). Its
-    # x-ratelimit-* headers go on the response, its tokens are corrected by usage.
-    charge: Charge | None = None
+    # What admission decided: budget charge, spill, hold.
+    admission: AdmissionVerdict = field(default_factory=AdmissionVerdict)
     # The pick's footprint (in-flight ticket, prefix insertions, session), moved to the served
     # endpoint after a retry; None until picked.
     pick: PickRecord | None = None
-    # The overflow pool the request was spilled to (no replica of ours serves it).
-    spilled: str | None = None
     # Only for a sampled request while tracing is configured (epp.tracing).
     trace: RequestTrace | None = None
     # The streamed response will end with usage (the client's or epp's include_usage, or the
@@ -113,11 +135,11 @@ class Finished:
     @property
     def spilled(self) -> bool:
         """Sent to an overflow pool: none of our replicas served it, none learns from it."""
-        return self.context.spilled is not None
+        return self.context.admission.spill is not None
 
     @property
     def charge(self) -> Charge | None:
-        return self.context.charge
+        return self.context.admission.charge
 
 
 class ResponseHook(Protocol):
@@ -129,19 +151,23 @@ class ResponseHook(Protocol):
     def finished(self, done: Finished) -> None: ...
 
 
-class Lifecycle:
-    """The registered response hooks, run in order for each finished response."""
+class _Registry(Generic[H]):
+    """Hooks of one kind, run in the order they were registered."""
 
-    def __init__(self, hooks: Iterable[ResponseHook] = ()) -> None:
-        self._hooks: list[ResponseHook] = list(hooks)
+    def __init__(self, hooks: Iterable[H] = ()) -> None:
+        self._hooks: list[H] = list(hooks)
 
     @property
-    def hooks(self) -> tuple[ResponseHook, ...]:
+    def hooks(self) -> tuple[H, ...]:
         return tuple(self._hooks)
 
-    def register(self, hook: ResponseHook) -> None:
-        """Run ``hook`` for every response that finishes from now on, after those before it."""
+    def register(self, hook: H) -> None:
+        """Run ``hook`` for every request from now on, after those registered before it."""
         self._hooks.append(hook)
+
+
+class Lifecycle(_Registry[ResponseHook]):
+    """The registered response hooks, run in order for each finished response."""
 
     def finished(self, done: Finished) -> None:
         for hook in self._hooks:
@@ -151,3 +177,85 @@ class Lifecycle:
                 log.exception(
                     "response hook %s failed for request %s", hook.name, done.request.request_id
                 )
+
+
+# What a hook returns to hold a request: awaited before the next hook runs.
+Hold = Callable[[], Awaitable[None]]
+
+
+class AdmissionHook(Protocol):
+    """One step of admission (runs on the request path, once per request)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def admit(self, context: RequestContext, request: InferenceRequest) -> Hold | None:
+        """Let the request go on (None), refuse it (raise a RequestError), set the verdict's
+        ``spill`` (the hooks after this one are skipped) or return the hold to await."""
+        ...
+
+    def withdraw(self, context: RequestContext) -> None:
+        """The request will not run (refused later, or its client left): give back what
+        :meth:`admit` took."""
+        ...
+
+
+@runtime_checkable
+class Narrowing(Protocol):
+    """An admission hook that also says which candidates an admitted request may go to."""
+
+    def narrow(
+        self, gen: Generation, request: InferenceRequest, found: Endpoints, now: float
+    ) -> Endpoints:
+        """Those of the ``found`` candidates the request may go to (at time ``now``)."""
+        ...
+
+
+class Admission(_Registry[AdmissionHook]):
+    """The registered admission hooks, run in order for each parsed request."""
+
+    async def admit(self, context: RequestContext, request: InferenceRequest) -> None:
+        """Run every hook, awaiting each hold; raise the RequestError of the hook that refuses
+        (cancelled, as when the client leaves, the request is withdrawn too)."""
+        verdict = context.admission
+        try:
+            for hook in self._hooks:
+                hold = hook.admit(context, request)
+                if hold is not None:
+                    verdict.held = True
+                    await hold()
+                if verdict.spill is not None:
+                    break
+        except BaseException:
+            self.withdraw(context)
+            raise
+        verdict.admitted = True
+
+    def admit_now(self, context: RequestContext, request: InferenceRequest) -> None:
+        """:meth:`admit` for a stream that does not await (its generation holds nothing): a
+        hook that would suspend it is a configuration the stream should have awaited."""
+        run = self.admit(context, request)
+        try:
+            run.send(None)
+        except StopIteration:
+            return
+        run.close()  # withdraws what the hooks took
+        raise RuntimeError(f"admission of {request.request_id} had to wait but was not awaited")
+
+    def withdraw(self, context: RequestContext) -> None:
+        """The request will not run: every hook gives back what it took, last first."""
+        for hook in reversed(self._hooks):
+            try:
+                hook.withdraw(context)
+            except Exception:
+                log.exception("admission hook %s failed to withdraw", hook.name)
+
+    def narrow(
+        self, gen: Generation, request: InferenceRequest, found: Endpoints, now: float
+    ) -> Endpoints:
+        """The candidates the hooks let an admitted request (of a stream that captured
+        ``gen``) go to."""
+        for hook in self._hooks:
+            if isinstance(hook, Narrowing):
+                found = hook.narrow(gen, request, found, now)
+        return found

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -20,41 +19,38 @@ from dataclasses import replace
 from typing import Any
 
 from epp import errors
-from epp.admission.budgets import Budgets, Charge, Refusal
+from epp.admission.budgets import Budgets
 from epp.admission.controller import FlowController
 from epp.admission.flow_queue import QueueLimits
+from epp.admission.room import Room
 from epp.admission.spillover import inflight_key
 from epp.config import Config
 from epp.discovery.policy import ClusterPolicy
 from epp.discovery.settling import Settling
-from epp.generation import Generation, merged
+from epp.generation import Generation
 from epp.hooks import standard_lifecycle
+from epp.hooks.request import standard_admission
+from epp.lifecycle import RequestContext
 from epp.metrics.demand import PoolDemand
 from epp.metrics.plugin_clock import Lap
 from epp.observability import (
-    BUDGET_ADMITTED,
-    BUDGET_REFUSED,
-    BUDGET_REMAINING,
     DECISION_SECONDS,
     DISAGG_DECISIONS,
     LATENCY_TARGETS,
     PICKS,
-    POOL_SATURATION,
     REQUESTS,
     SPILLED,
-    child,
 )
 from epp.request import InferenceRequest, LatencyTarget
 from epp.rewrite import Rewrite
 from epp.scheduling import Cycle, Decision
+from epp.scheduling.data import LATENCY_TARGET
 from epp.scheduling.prefix_data import CACHED_TOKENS
-from epp.scheduling.scorers.latency import LATENCY_TARGET
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Ticket
 from epp.state.latency import Basis, ttft_features
 from epp.tracing import Tracing
-from epp.wire import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
 log = logging.getLogger("epp.router")
 
@@ -71,10 +67,15 @@ class Router:
         self.demand = PoolDemand(config.autoscaling)
         # Discovered endpoints Envoy may not have resolved yet (set before the config below).
         self.settling = Settling()
+        # Saturation and room of each model's candidates, under the current configuration.
+        self.room = Room(fleet, lambda: self._gen.config.admission)
         # Holds requests while their pool is saturated (admission mode ``queue``).
-        self.flow = FlowController(QueueLimits(), self.pool_saturated, group=fleet.queues)
+        self.flow = FlowController(QueueLimits(), self.room.saturated, group=fleet.queues)
         # Tenant budgets: what each tenant spent and holds leased (docs/admission.md).
         self.budgets = Budgets(config.budgets)
+        # What decides whether a parsed request may be routed: budgets, spillover, flow
+        # control, shedding (epp/hooks/request/).
+        self.admission = standard_admission(fleet, self.budgets, self.flow, self.room, self.arrived)
         # What the cluster's resources add (docs/rewrite.md); set by the server as they change.
         self._cluster = ClusterPolicy()
         self._reported: frozenset[str] = frozenset()
@@ -113,10 +114,8 @@ class Router:
         # Each model's pools and the share of an arrival each gets, settled per configuration
         # (routed requests count their demand on every pick).
         self._arrival_shares = {m: _shares(a, self._pools) for m, a in self._candidates.items()}
+        self.room.configure(self._candidates, self._pools)
         self.settling.update(config.pools, config.discovery)
-        self._overflow = {
-            m: config.spillover.overflow_for(spec.pools) for m, spec in config.models.items()
-        }
         self.demand.policy = config.autoscaling
         self.demand.forget(set(config.pools))
         self.flow.limits = config.flow_control.limits
@@ -156,103 +155,16 @@ class Router:
         """The ``GET /v1/models`` answer: every configured model across all pools."""
         return self._models_body
 
-    async def admit(
-        self, request: InferenceRequest, gen: Generation | None = None
-    ) -> Charge | None:
-        """Charge the request to its tenant's budget (429 when it is spent), then, with flow
-        control on, wait until the request's pool has room; raise a 429/503
-        :class:`~epp.errors.RequestError` when either refuses it. Route right after this
-        returns (no await in between), so the dispatcher sees the request in flight. Returns
-        the budget charge (None: the tenant has no budget), for the response's usage. ``gen``:
-        the generation the request's stream captured (default: the current one)."""
-        gen = gen or self._gen
+    async def admit(self, context: RequestContext, request: InferenceRequest) -> None:
+        """Run the admission hooks (:attr:`admission`) on ``request``, holding it while flow
+        control does; raise a 429/503 :class:`~epp.errors.RequestError` when one refuses it.
+        The verdict (budget charge, spill) is the context's. Route right after this returns
+        (no await in between), so the dispatcher sees the request in flight."""
         # Bounded first: budgets, queues and the group's view keep state per flow and band.
         now = time.monotonic()
         request.fairness_id = self.flow.bound.flow(request.fairness_id, now)
         request.priority = self.flow.bound.priority(request.priority, now)
-        charge = self._charge(request, gen.config)
-        if (
-            gen.config.flow_control.mode == "queue"
-            and request.model in self._candidates
-            and self.spill_target(request, gen) is None
-        ):
-            # Demand counts on arrival, before any wait: requests held for a pool with no
-            # ready replica are what must scale it from zero.
-            self._arrived(None, request.model)
-            try:
-                await self.flow.admit(request.model, request.priority, request.fairness_id)
-            except BaseException:
-                # Refused or abandoned while held: it never ran, its budget is given back.
-                if charge is not None:
-                    self.budgets.refund(charge)
-                raise
-        return charge
-
-    def _charge(self, request: InferenceRequest, config: Config) -> Charge | None:
-        """Spend one request and its expected tokens from the tenant's budget, or raise the
-        429 that names the budget that ran out."""
-        tenant = request.fairness_id
-        verdict = self.budgets.charge(tenant, request.expected_tokens(), time.monotonic())
-        if verdict is None:
-            return None
-        label = config.budgets.label(tenant)
-        for kind in ("requests", "tokens"):
-            remaining = verdict.headers.get(f"x-ratelimit-remaining-{kind}")
-            if remaining is not None:
-                child(BUDGET_REMAINING, label, kind).set(float(remaining))
-        if isinstance(verdict, Refusal):
-            child(BUDGET_REFUSED, label, verdict.kind).inc()
-            raise verdict.error()
-        child(BUDGET_ADMITTED, label).inc()
-        return verdict
-
-    def pool_saturated(self, model: str, sheddable: bool = False) -> bool:
-        """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;
-        ``sheddable``: with the share reserved for priority >= 0 counted as taken)."""
-        snapshot = self.fleet.store.snapshot()
-        now = time.time()
-        candidates = [
-            snapshot.endpoints.get(a) or EndpointState(a, self._pools[a])
-            for a in self._candidates.get(model, ())
-        ]
-        # Endpoints passive health ejected get no work (the health filter), so their room is
-        # no room: counted free, they let the dispatcher release the whole queue onto the
-        # endpoints left. Unless all are ejected: then the filter keeps them all, and so do we.
-        health = self.fleet.health
-        candidates = [c for c in candidates if health.admits(c.address, now)] or candidates
-        saturated = self._gen.config.admission.saturated(
-            candidates, now, self.fleet.inflight.load, sheddable
-        )
-        POOL_SATURATION.labels(model).set(float(saturated))
-        return saturated
-
-    def _with_room(
-        self, candidates: list[EndpointState], sheddable: bool, now: float
-    ) -> list[EndpointState]:
-        """The candidates that are not full, or all of them if every one is.
-
-        Flow control releases a request because some candidate has room; scoring alone (prefix
-        affinity above all) would still pick a full one, the pool would still have room, and
-        the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
-        Dispatch)."""
-        full = self._gen.config.admission.endpoint_full
-        load = self.fleet.inflight.load
-        return [c for c in candidates if not full(c, now, load(c.address), sheddable)] or candidates
-
-    def spill_target(self, request: InferenceRequest, gen: Generation | None = None) -> str | None:
-        """The overflow pool ``request`` goes to instead of its saturated home pool, or None
-        (docs/admission.md, spillover). Only spill-eligible objectives ever spill."""
-        config = (gen or self._gen).config
-        if request.objective not in config.request.spill_objectives:
-            return None
-        endpoints = self.fleet.store.snapshot().endpoints
-        load = self.fleet.inflight.load
-        now = time.time()
-        return config.spillover.target(
-            self._overflow.get(request.model, ()),
-            lambda: self.pool_saturated(request.model, request.priority < 0),
-            lambda name: config.spillover.saturated(name, endpoints, config.admission, load, now),
-        )
+        await self.admission.admit(context, request)
 
     def spill(self, request: InferenceRequest, overflow: str) -> Ticket:
         """Count ``request`` in flight to ``overflow`` (released by :meth:`finish`)."""
@@ -293,6 +205,44 @@ class Router:
         started = time.perf_counter()
         gen = gen or self._gen
         config = gen.config
+        addresses = self._addresses(request, subset)
+        snapshot = self.fleet.store.snapshot()
+        candidates = [
+            snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
+        ]
+        if config.flow_control.mode != "queue":  # else counted by the flow-control hook
+            self.arrived(request.model, addresses if subset is not None else None)
+        # Roles, like the candidates, are the current answer (discovery changes them).
+        cycle = Cycle(snapshot, self.fleet, self._capacities(config), roles=self._gen.config.roles)
+        candidates = self.admission.narrow(gen, request, candidates, cycle.now)
+        target = gen.target(request)
+        if target is not None:
+            cycle.put(LATENCY_TARGET, target)
+        explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
+        fallbacks = 1 + config.routing.fallbacks
+        decision = gen.profile.run(request, candidates, cycle, fallbacks, explain, laps, defer)
+        DECISION_SECONDS.add((), time.perf_counter() - started)
+        _check(request, decision, candidates, target)
+        if self.settling.any():
+            self._keep_one_envoy_knows(decision, candidates)
+        first = decision.endpoints[0]
+        # Optional: a profile without a prefix producer counts the whole prompt as uncached.
+        cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
+        uncached = max(0, request.prompt_tokens() - cached)
+        if gen.profile.decider is not None:
+            decision = self._disaggregate(
+                request, decision, uncached, addresses, cycle, gen, explain, laps, defer
+            )
+        ticket = self._in_flight(request, decision, cached, uncached, target, cycle.now)
+        PICKS.add((first.pool, first.address))
+        REQUESTS.add((request.model, "routed"))
+        if decision.scores is not None:
+            self._remember(request, decision, rewrite)
+        return decision, ticket
+
+    def _addresses(self, request: InferenceRequest, subset: Sequence[str] | None) -> Sequence[str]:
+        """The candidates' addresses: the model's (404 when no pool serves it), only those in
+        the gateway's ``subset`` hint when it gives one (503 when none is)."""
         addresses = self._candidates.get(request.model)
         if addresses is None:
             raise errors.model_not_found(request.model, list(self._candidates))
@@ -305,79 +255,36 @@ class Router:
                 raise errors.no_endpoint(
                     request.model, "none of the gateway's subset hint serves it"
                 )
+        return addresses
 
-        snapshot = self.fleet.store.snapshot()
-        candidates = [
-            snapshot.endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses
-        ]
-        if config.flow_control.mode != "queue":  # else counted by admit
-            self._arrived(addresses if subset is not None else None, request.model)
-        # Roles, like the candidates, are the current answer (discovery changes them).
-        cycle = Cycle(snapshot, self.fleet, self._capacities(config), roles=self._gen.config.roles)
-        if config.flow_control.mode == "queue":
-            candidates = self._with_room(candidates, request.priority < 0, cycle.now)
-        target = _target(request, gen)
-        if target is not None:
-            cycle.put(LATENCY_TARGET, target)
-        if (
-            config.flow_control.mode == "shed"
-            and request.priority < 0
-            and config.admission.saturated(candidates, cycle.now, self.fleet.inflight.load, True)
-        ):
-            raise errors.overloaded(request.model)
-        explain = config.routing.explain or log.isEnabledFor(logging.DEBUG)
-        decision = gen.profile.run(
-            request,
-            candidates,
-            cycle,
-            1 + config.routing.fallbacks,
-            explain,
-            laps,
-            defer,
-        )
-        DECISION_SECONDS.add((), time.perf_counter() - started)
-        if not decision.endpoints and decision.refusal is not None:
-            if target is not None:
-                for kind in _kinds(target):
-                    LATENCY_TARGETS.add((request.objective, kind, "refused"))
-            raise decision.refusal
-        if not decision.endpoints:
-            ready = sum(1 for c in candidates if c.ready)
-            raise errors.no_endpoint(
-                request.model, f"{ready} of {len(candidates)} endpoints are ready"
-            )
-        if self.settling.any():
-            self._keep_one_envoy_knows(decision, candidates)
+    def _in_flight(
+        self,
+        request: InferenceRequest,
+        decision: Decision,
+        cached: int,
+        uncached: int,
+        target: LatencyTarget | None,
+        now: float,
+    ) -> Ticket:
+        """Count the decided request in flight on its first endpoint, with what the latency
+        model predicted for it there (to learn from its TTFT)."""
         first = decision.endpoints[0]
-        # Optional: a profile without a prefix producer counts the whole prompt as uncached.
-        cached = (cycle.get(CACHED_TOKENS) or {}).get(first.address, 0)
-        uncached = max(0, request.prompt_tokens() - cached)
         inflight = self.fleet.inflight
-        if gen.profile.decider is not None:
-            decision = self._disaggregate(
-                request, decision, uncached, addresses, cycle, gen, explain, laps, defer
-            )
         if decision.prefill is not None:
             # The decode replica loads the prompt's KV instead of prefilling it, and the
             # request's TTFT is partly another replica's: no prefill work here, and nothing
             # for the latency model to learn about this replica's prefill speed. The prefill
             # replica counts the leg until the first token (epp.state.inflight).
-            ticket = inflight.add(
+            return inflight.add(
                 first.address,
                 request.expected_tokens(cached),
                 prefiller=decision.prefill.address,
                 prefiller_tokens=decision.prefill_tokens,
             )
-        else:
-            features = ttft_features(uncached, inflight.load(first.address), first)
-            predicted = self.fleet.latency.predict_ttft(first.address, features, cycle.now)
-            basis = Basis(features, predicted, target, request.objective)
-            ticket = inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
-        PICKS.add((first.pool, first.address))
-        REQUESTS.add((request.model, "routed"))
-        if decision.scores is not None:
-            self._remember(request, decision, rewrite)
-        return decision, ticket
+        features = ttft_features(uncached, inflight.load(first.address), first)
+        predicted = self.fleet.latency.predict_ttft(first.address, features, now)
+        basis = Basis(features, predicted, target, request.objective)
+        return inflight.add(first.address, request.expected_tokens(cached), uncached, basis)
 
     def _disaggregate(
         self,
@@ -508,8 +415,8 @@ class Router:
         if known:
             chosen.append(min(known, key=lambda c: load(c.address).requests))
 
-    def _arrived(self, addresses: Sequence[str] | None, model: str) -> None:
-        """Count the request as demand on the pools of its candidate ``addresses`` (None: all
+    def arrived(self, model: str, addresses: Sequence[str] | None = None) -> None:
+        """Count a request as demand on the pools of its candidate ``addresses`` (None: all
         of ``model``'s), whether or not it can be served now: refused or held for lack of a
         ready replica, it is the demand that should scale one up."""
         if addresses is None:
@@ -539,35 +446,23 @@ def _models_body(config: Config) -> bytes:
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
 
 
-def _target(request: InferenceRequest, gen: Generation) -> LatencyTarget | None:
-    """The request's latency targets, each kind (TTFT, TPOT) from the first source that sets
-    it: a trusted caller's header, the request's objective, the profile's default (the
-    latency-target-filter's); None when no source sets any. Without headers the answer depends
-    on the objective alone: merged once per generation."""
-    config = gen.config
-    ttft = tpot = None
-    policy, headers = config.request, request.headers
-    if policy.trusts(SLO_TTFT_HEADER):
-        ttft = _header_seconds(headers.get(SLO_TTFT_HEADER))
-    if policy.trusts(SLO_TPOT_HEADER):
-        tpot = _header_seconds(headers.get(SLO_TPOT_HEADER))
-    if ttft is None and tpot is None:
-        targets = gen.objective_targets
-        return targets.get(request.objective, targets[""])
-    objective = config.request.objective_targets.get(request.objective)
-    return merged(gen.default_target, objective, ttft, tpot)
-
-
-def _header_seconds(raw: str | None) -> float | None:
-    """A latency-target header's milliseconds as seconds; None when absent or not a positive
-    finite number (a bad header is no target, never a refusal)."""
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return value / 1000 if math.isfinite(value) and value > 0 else None
+def _check(
+    request: InferenceRequest,
+    decision: Decision,
+    candidates: Sequence[EndpointState],
+    target: LatencyTarget | None,
+) -> None:
+    """Raise the refusal of a decision that picked no endpoint: the profile's own (a latency
+    target no replica can meet), else 503 naming how many candidates are ready."""
+    if decision.endpoints:
+        return
+    if decision.refusal is not None:
+        if target is not None:
+            for kind in _kinds(target):
+                LATENCY_TARGETS.add((request.objective, kind, "refused"))
+        raise decision.refusal
+    ready = sum(1 for c in candidates if c.ready)
+    raise errors.no_endpoint(request.model, f"{ready} of {len(candidates)} endpoints are ready")
 
 
 def _kinds(target: LatencyTarget) -> list[str]:

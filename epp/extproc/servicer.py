@@ -71,7 +71,7 @@ class ExtProcServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
         try:
             # Held here while the pool is saturated; a client that goes away cancels this
             # coroutine, which takes it out of the queue.
-            handler.context.charge = await self._router.admit(request, handler.context.generation)
+            await self._router.admit(handler.context, request)
         except errors.RequestError as error:
             refusal = error
         if trace is not None:

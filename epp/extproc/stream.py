@@ -31,16 +31,17 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
 from epp.data_parallel import replica_of, routed
 from epp.errors import RequestError
 from epp.extproc import buffered, responses
+from epp.extproc.forward import rewrite_body
+from epp.extproc.messages import read_headers, served_metadata, span_attributes, subset_hint
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
 from epp.hooks.passive_health import judge_retry
-from epp.lifecycle import Finished, Outcome, RequestContext
+from epp.lifecycle import Finished, RequestContext
 from epp.observability import (
     MOVED,
     OBJECTIVE_REQUESTS,
@@ -53,27 +54,20 @@ from epp.request import (
     api_for_path,
     check_headers,
     parse_decoded,
-    set_engine_priority,
-    too_deep,
 )
 from epp.rewrite import explained
 from epp.router import Router
+from epp.scheduling import Decision
 from epp.state.inflight import Ticket
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.wire import (
     CONTROL_HEADERS,
     DESTINATION,
     EXPLAIN,
-    LB_NAMESPACE,
     OVERFLOW,
-    SERVED,
-    SUBSET_HINT_KEY,
-    SUBSET_HINT_NAMESPACE,
 )
 
 log = logging.getLogger("epp.extproc")
-# APIs whose streaming requests accept ``stream_options.include_usage``.
-_USAGE_OPTION_APIS = ("completions", "chat")
 
 Response = ext_proc_pb2.ProcessingResponse
 # Headers epp acts on, removed before the request goes upstream.
@@ -167,8 +161,8 @@ class StreamHandler:
     def _on_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         context = self.context
         context.started = self._clock()
-        headers = _read_headers(message.request_headers, context.headers)
-        context.subset = _subset_hint(message)
+        headers = read_headers(message.request_headers, context.headers)
+        context.subset = subset_hint(message)
         tracing = self._router.tracing
         if tracing is not None:
             context.trace = tracing.begin(headers)
@@ -236,16 +230,16 @@ class StreamHandler:
 
     def _on_response_headers(self, message: ext_proc_pb2.ProcessingRequest) -> Sequence[Response]:
         context = self.context
-        headers = _read_headers(message.response_headers, {}, RESPONSE_HEADERS_READ)
+        headers = read_headers(message.response_headers, {}, RESPONSE_HEADERS_READ)
         observer = self._observer = ResponseObserver(context.started, context.strip_usage)
-        observer.on_headers(headers, _served_metadata(message))
+        observer.on_headers(headers, served_metadata(message))
         served = observer.served
         pick = context.pick
         if pick is not None and served == replica_of(self._router.config.ranks, pick.endpoint):
             served = observer.served = pick.endpoint  # a rank: Envoy names its replica
         if (
             pick is not None
-            and context.spilled is None
+            and context.admission.spill is None
             and served is not None
             and served != pick.endpoint
         ):
@@ -265,7 +259,7 @@ class StreamHandler:
             context.trace.response_started = time.perf_counter()
         if message.response_headers.end_of_stream:
             self._response_ended = self._clock()
-        charge = context.charge
+        charge = context.admission.charge
         if charge is not None and charge.headers:
             return (responses.add_response_headers(charge.headers),)
         return (responses.CONTINUE_RESPONSE_HEADERS,)
@@ -329,7 +323,7 @@ class StreamHandler:
         outcome = observer.finish(self._clock() if at is None else at, complete)
         self._router.lifecycle.finished(Finished(self.context, request, outcome, request.objective))
         if self.context.trace is not None:
-            self.context.trace.responded(outcome.status, outcome.served, _span_attributes(outcome))
+            self.context.trace.responded(outcome.status, outcome.served, span_attributes(outcome))
 
     def end_trace(self) -> None:
         """The stream is over: build and export the request's spans (when traced). Called
@@ -357,7 +351,7 @@ class StreamHandler:
             request, data = parse_decoded(
                 headers.get(":path", ""), headers, body, gen.config.request, gen.models
             )
-            rewritten = self._rewrite_body(request, data)
+            rewritten = rewrite_body(self.context, request, data)
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.parse", started, {"epp.body_bytes": len(body)}, error.message)
@@ -381,58 +375,6 @@ class StreamHandler:
             return ()
         return self._route(request, chunks, after, rewritten is not None)
 
-    def _rewrite_body(self, request: InferenceRequest, data: dict[str, Any]) -> bytes | None:
-        """The body to forward instead of the client's, or None to forward it unchanged: one
-        re-serialisation for every change epp makes (the model rewrite, the engine priority, the
-        usage option)."""
-        policy = self.context.generation.config.request
-        renamed = self._rename(request, data)
-        changed = policy.engine_priority and set_engine_priority(request, data)
-        asked_usage = self._ask_for_usage(request, data)
-        self.context.usage_expected = _expects_usage(request, data)
-        if not (renamed or changed or asked_usage):
-            return None
-        try:
-            rewritten = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
-        except RecursionError:
-            # Parsed near the recursion limit, the body is one level too deep to write back
-            # from here. Without the usage option it can go as it is; not with a priority epp
-            # had to set or overwrite (the client's own would reach the engine).
-            if changed or renamed:
-                raise too_deep() from None
-            return None
-        self.context.strip_usage = asked_usage
-        return rewritten
-
-    def _rename(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
-        """Apply the model rewrite that matches (epp.rewrite): the request is scheduled, and
-        the body forwarded, with the target model; True when ``data`` changed."""
-        rewrite = self.context.generation.rewrites.choose(request.model, request.session)
-        self.context.rewrite = rewrite
-        if rewrite is None or rewrite.target == request.model:
-            return False
-        request.model = data["model"] = rewrite.target
-        return True
-
-    def _ask_for_usage(self, request: InferenceRequest, data: dict[str, Any]) -> bool:
-        """With ``routing.inject_stream_usage``, a streaming request that did not ask for
-        usage gets ``stream_options.include_usage`` (True when ``data`` was changed) and the
-        usage chunk it brings is later removed from what the client receives."""
-        if not (
-            self.context.generation.config.routing.inject_stream_usage
-            and request.stream
-            and request.api in _USAGE_OPTION_APIS
-        ):
-            return False
-        if _asks_usage(data):
-            return False
-        options = data.get("stream_options")
-        data["stream_options"] = {
-            **(options if isinstance(options, dict) else {}),
-            "include_usage": True,
-        }
-        return True
-
     def refuse_pending(self, error: RequestError) -> Sequence[Response]:
         """The :attr:`pending` request was refused while held (flow control: queue full, TTL)."""
         pending = self.pending
@@ -454,29 +396,30 @@ class StreamHandler:
         after: Sequence[Response],
         rewritten: bool,
     ) -> Sequence[Response]:
-        """Pick; the answer carries the body's ``chunks`` back in full-duplex mode, and the
-        rewritten body (the only chunk then) in buffered mode."""
-        overflow = self._router.spill_target(request, self.context.generation)
-        if overflow is not None:
-            return self._spill(request, chunks, after, rewritten, overflow)
-        fleet = self._router.fleet
-        trace = self.context.trace
+        """Admit (unless the servicer awaited admission) and pick; the answer carries the
+        body's ``chunks`` back in full-duplex mode, and the rewritten body (the only chunk
+        then) in buffered mode."""
+        context = self.context
+        trace = context.trace
         started = time.perf_counter() if trace is not None else 0.0
         try:
+            if not context.admission.admitted:  # nothing to await: admitted here
+                self._router.admission.admit_now(context, request)
+            if context.admission.spill is not None:
+                return self._spill(request, chunks, after, rewritten, context.admission.spill)
             decision, ticket = self._router.route(
                 request,
-                self.context.subset,
+                context.subset,
                 None if trace is None else trace.laps,
                 self._deferred,
-                self.context.generation,
-                self.context.rewrite,
+                context.generation,
+                context.rewrite,
             )
         except RequestError as error:
             if trace is not None:
                 trace.step("epp.schedule", started, self._profile_attributes(), error.message)
-            if self.context.charge is not None:  # never ran: its tenant's budget is given back
-                self._router.budgets.refund(self.context.charge)
-                self.context.charge = None
+            # Never ran: what admission took (its tenant's budget) is given back.
+            self._router.admission.withdraw(context)
             return (self._refuse(error), *after)
         if trace is not None:
             endpoints = [e.address for e in decision.endpoints]
@@ -487,10 +430,21 @@ class StreamHandler:
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
         ahead = ticket.basis.prefill_ahead if ticket.basis is not None else ticket.prefill
-        self.context.pick = PickRecord(ticket, picked_at=self._clock(), prefill_ahead=ahead)
-        fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
-        self.context.request = request
-        OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))
+        context.pick = PickRecord(ticket, picked_at=self._clock(), prefill_ahead=ahead)
+        self._router.fleet.health.picked(ticket.endpoint, time.time())  # a half-open trial
+        context.request = request
+        OBJECTIVE_REQUESTS.add((context.requested_label(), request.model))
+        return self._answer(decision, chunks, after, rewritten)
+
+    def _answer(
+        self,
+        decision: Decision,
+        chunks: Sequence[bytes],
+        after: Sequence[Response],
+        rewritten: bool,
+    ) -> Sequence[Response]:
+        """The routing answer: the destination list, the prefill replica's header, the
+        explained scores when the caller may see them, and the body as :meth:`_route` says."""
         # Envoy knows replicas: a data-parallel rank is named in a header (epp.data_parallel).
         destination, extra = routed(self._router.config.ranks, decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
@@ -531,7 +485,6 @@ class StreamHandler:
     ) -> Sequence[Response]:
         """Send the request to overflow pool ``overflow`` (its home pool is saturated)."""
         self.context.pick = PickRecord(self._router.spill(request, overflow))
-        self.context.spilled = overflow
         self.context.request = request
         remove = [h for h in _present(self.context.headers, _REMOVED) if h != OVERFLOW]
         if self._full_duplex:
@@ -584,79 +537,6 @@ class StreamHandler:
         path = self.context.headers.get(":path", "")
         log.info("refused %s %s: %s", error.status, path, error.message)
         return responses.error_response(error)
-
-
-def _expects_usage(request: InferenceRequest, data: dict[str, Any]) -> bool:
-    """Whether the streamed response to ``data`` (as forwarded) ends with usage: the only
-    place the engine's cached prompt tokens arrive. A non-streamed response always carries it,
-    but has no first token for the latency model to learn from."""
-    if not request.stream:
-        return False
-    return request.api == "responses" or _asks_usage(data)
-
-
-def _asks_usage(data: dict[str, Any]) -> bool:
-    """Whether ``data`` asks for the usage chunk (``stream_options.include_usage``)."""
-    options = data.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-def _span_attributes(outcome: Outcome) -> dict[str, object]:
-    """What a traced response's span shows (epp.tracing)."""
-    attributes: dict[str, object] = {
-        "http.response.status_code": outcome.status,
-        "epp.response.complete": outcome.complete,
-        "epp.response.streamed": outcome.streamed,
-    }
-    optional = {
-        "epp.served_endpoint": outcome.served,
-        "epp.ttft_seconds": outcome.ttft,
-        "epp.tpot_seconds": outcome.tpot,
-    }
-    usage = outcome.usage
-    if usage is not None:
-        optional["gen_ai.usage.input_tokens"] = usage.prompt
-        optional["gen_ai.usage.output_tokens"] = usage.completion
-        optional["epp.usage.cached_tokens"] = usage.cached
-    attributes.update((k, v) for k, v in optional.items() if v is not None)
-    return attributes
-
-
-def _read_headers(
-    message: ext_proc_pb2.HttpHeaders, into: dict[str, str], only: frozenset[str] | None = None
-) -> dict[str, str]:
-    """The headers of ``message`` (``only``: just those, the others' values left unread)."""
-    for h in message.headers.headers:
-        key = h.key
-        if only is not None and key not in only:
-            continue
-        raw = h.raw_value  # each read copies the bytes out of the message
-        into[key] = raw.decode("utf-8", "replace") if raw else h.value
-    return into
-
-
-def _served_metadata(message: ext_proc_pb2.ProcessingRequest) -> str | None:
-    """The served endpoint as GIE gateways report it (``envoy.lb`` metadata), or None."""
-    if not message.HasField("metadata_context"):
-        return None
-    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
-    # GIE names the metadata key like the header.
-    if namespace is None or SERVED not in namespace.fields:
-        return None
-    return namespace.fields[SERVED].string_value or None
-
-
-def _subset_hint(message: ext_proc_pb2.ProcessingRequest) -> list[str] | None:
-    """The gateway's allowed endpoints (``envoy.lb.subset_hint``), or None when absent."""
-    if not message.HasField("metadata_context"):
-        return None
-    namespace = message.metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
-    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
-        return None
-    value = namespace.fields[SUBSET_HINT_KEY]
-    if value.HasField("list_value"):
-        return [v.string_value for v in value.list_value.values]
-    return [a.strip() for a in value.string_value.split(",") if a.strip()]
 
 
 def _present(headers: dict[str, str], names: Iterable[str]) -> list[str]:

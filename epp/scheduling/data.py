@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from epp.request import LatencyTarget
+
 if TYPE_CHECKING:
     from epp.scheduling.framework import Cycle
 
@@ -33,6 +35,11 @@ class DataKey(Generic[T]):
 
     def __repr__(self) -> str:
         return f"DataKey({self.description!r})"
+
+
+# The request's latency targets, when it has any (set by the router: a trusted caller's
+# x-llm-d-slo-ttft-ms / -tpot-ms header, else its objective's, else the latency-target-filter's).
+LATENCY_TARGET: DataKey[LatencyTarget] = DataKey("the request's latency targets")
 
 
 @dataclass(frozen=True, slots=True)

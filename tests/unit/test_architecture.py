@@ -119,3 +119,33 @@ def test_a_cycle_through_relative_and_lazy_imports_is_caught(tmp_path: Path) -> 
     graph = package_graph(root)
     assert graph == {"pkg.high": {"pkg.low"}, "pkg.low": {"pkg.high"}, "pkg.top": {"pkg.low"}}
     assert cycles(graph) == [["pkg.high", "pkg.low"]]
+
+
+# Plugin modules: the router and the stream reach plugins through the profile and protocols.
+PLUGIN_PACKAGES = tuple(f"epp.scheduling.{kind}" for kind in ("filters", "scorers", "pickers"))
+PLUGIN_PACKAGES += ("epp.scheduling.deciders",)
+
+
+def _imported_by(path: Path) -> set[str]:
+    return set(_imports(EPP, path))
+
+
+def test_the_request_path_knows_no_concrete_plugin() -> None:
+    # The walk sees the router's scheduling imports, or it proves nothing.
+    assert "epp.scheduling.data" in _imported_by(EPP / "router.py")
+    for module in ("router.py", "generation.py", "lifecycle.py", "extproc/stream.py"):
+        imported = _imported_by(EPP / module)
+        plugins = sorted(m for m in imported if m.startswith(PLUGIN_PACKAGES))
+        assert plugins == [], f"epp/{module} imports {plugins}"
+
+
+def test_hooks_are_imported_by_the_core_never_the_other_way() -> None:
+    """epp/hooks (request and response side) may not import what runs them, and the
+    features they serve never import the lifecycle they are hooked into."""
+    for path in (EPP / "hooks").rglob("*.py"):
+        imported = _imported_by(path)
+        for core in ("epp.router", "epp.extproc", "epp.server"):
+            assert not any(m == core or m.startswith(core + ".") for m in imported), path
+    for feature in ("admission", "state", "scheduling"):
+        for path in (EPP / feature).rglob("*.py"):
+            assert not {"epp.lifecycle", "epp.hooks"} & _imported_by(path), path

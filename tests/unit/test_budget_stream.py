@@ -39,7 +39,7 @@ async def admitted(router: Router) -> StreamHandler:
     handler.handle(headers_msg(extra=TENANT))
     assert handler.handle(body_msg(BODY)) == ()  # held for admission: budgets are on
     assert handler.pending is not None
-    handler.context.charge = await router.admit(handler.pending.request)
+    await router.admit(handler.context, handler.pending.request)
     return handler
 
 
@@ -71,9 +71,11 @@ async def test_admitted_responses_carry_the_headers_and_usage_corrects_the_token
     assert headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "1"
     assert headers["x-ratelimit-limit-tokens"] == "1000"
-    assert handler.context.charge is not None
+    assert handler.context.admission.charge is not None
     # Charged at admission: the prompt's estimate and max_tokens.
-    assert headers["x-ratelimit-remaining-tokens"] == str(1000 - handler.context.charge.tokens)
+    assert headers["x-ratelimit-remaining-tokens"] == str(
+        1000 - handler.context.admission.charge.tokens
+    )
     usage = {"usage": {"prompt_tokens": 3, "completion_tokens": 4}}
     body = ext_proc_pb2.ProcessingRequest(
         response_body=ext_proc_pb2.HttpBody(body=json.dumps(usage).encode(), end_of_stream=True)
@@ -91,7 +93,7 @@ async def test_over_the_budget_is_a_429_with_retry_after_and_the_headers() -> No
     handler.handle(body_msg(BODY))
     assert handler.pending is not None
     with pytest.raises(RequestError) as refused:
-        await router.admit(handler.pending.request)
+        await router.admit(handler.context, handler.pending.request)
     (answer,) = handler.refuse_pending(refused.value)
     status, payload = immediate(answer)
     assert status == 429
@@ -130,5 +132,5 @@ async def test_a_reloaded_budget_applies_to_the_next_request() -> None:
         }
     )
     handler = await admitted(router)  # the window kept its one request; the limit is now 2
-    assert handler.context.charge is not None
-    assert handler.context.charge.headers["x-ratelimit-remaining-requests"] == "0"
+    assert handler.context.admission.charge is not None
+    assert handler.context.admission.charge.headers["x-ratelimit-remaining-requests"] == "0"

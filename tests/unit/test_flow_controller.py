@@ -13,6 +13,7 @@ from epp.admission.controller import FlowController
 from epp.admission.flow_queue import BandLimits, QueueLimits
 from epp.config import FlowControl, parse_config
 from epp.errors import RequestError
+from epp.lifecycle import RequestContext
 from epp.request import InferenceRequest
 from epp.router import Router
 from epp.state.fleet import FleetState
@@ -114,7 +115,7 @@ async def test_a_request_held_for_an_empty_pool_asks_for_a_replica() -> None:
         router.config, flow_control=FlowControl("queue", QueueLimits(10, BandLimits(10, 0.05)))
     )
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hi")
-    held = asyncio.create_task(router.admit(request))
+    held = asyncio.create_task(router.admit(RequestContext(router.generation), request))
     await _until_queued(router.flow, 1)
     assert router.demand.signal("main", ready=0).desired_replicas == 1
     # Still demand once the wait is over (no replica came): the TTL refuses it.
@@ -163,11 +164,11 @@ async def test_a_released_request_goes_to_an_endpoint_with_room() -> None:
     it there, or the dispatcher would see room forever and flood 8002 with the queue."""
     router = await _fresh_router({"max_requests": 1})
     router.fleet.inflight.add("127.0.0.1:8002", 10)
-    assert not router.pool_saturated("tiny")
+    assert not router.room.saturated("tiny")
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hi")
     decision, _ = router.route(request)
     assert decision.endpoints[0].address == "127.0.0.1:8001"
-    assert router.pool_saturated("tiny")
+    assert router.room.saturated("tiny")
 
 
 async def test_an_ejected_endpoint_has_no_room() -> None:
@@ -179,7 +180,7 @@ async def test_an_ejected_endpoint_has_no_room() -> None:
     health = router.fleet.health
     health.configure(health.config, router.config.endpoint_pools())
     health.apply([ejected])
-    assert router.pool_saturated("tiny")
+    assert router.room.saturated("tiny")
 
 
 async def test_a_pool_reserve_keeps_the_last_slot_for_critical_wherever_it_is() -> None:
@@ -187,14 +188,14 @@ async def test_a_pool_reserve_keeps_the_last_slot_for_critical_wherever_it_is() 
     router.fleet.inflight.add("127.0.0.1:8002", 10)
     router.fleet.inflight.add("127.0.0.1:8002", 10)
     # 8002 is full to its whole limit; 8001's two slots are room, one more than the reserve.
-    assert not router.pool_saturated("tiny", sheddable=True)
+    assert not router.room.saturated("tiny", sheddable=True)
     batch = InferenceRequest("b", "/v1/completions", "completions", "tiny", "hi", priority=-1)
     decision, _ = router.route(batch)
     assert decision.endpoints[0].address == "127.0.0.1:8001"
     # The last slot is the reserve: batch is held, critical still goes there.
-    assert router.pool_saturated("tiny", sheddable=True)
-    assert not router.pool_saturated("tiny")
+    assert router.room.saturated("tiny", sheddable=True)
+    assert not router.room.saturated("tiny")
     critical = InferenceRequest("c", "/v1/completions", "completions", "tiny", "hi", priority=10)
     decision, _ = router.route(critical)
     assert decision.endpoints[0].address == "127.0.0.1:8001"
-    assert router.pool_saturated("tiny")
+    assert router.room.saturated("tiny")

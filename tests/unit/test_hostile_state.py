@@ -14,6 +14,7 @@ from epp.config import parse_config
 from epp.errors import RequestError
 from epp.extproc import buffered
 from epp.extproc.stream import StreamHandler
+from epp.lifecycle import RequestContext
 from epp.request import (
     MAX_SESSION_BYTES,
     SESSION_DIGEST_BYTES,
@@ -142,7 +143,7 @@ async def test_ten_thousand_flows_and_priorities_leave_bounded_state_and_series(
         }
         request = parse_request("/v1/completions", headers, body, policy)
         assert request.objective == ""  # unknown objectives are the default
-        await router.admit(request)
+        await router.admit(RequestContext(router.generation), request)
     flows = {tenant for tenant, _ in router.budgets.accounts()}
     assert len(flows) <= bound._flows.limit + 1
     assert OTHER_FLOW in flows

@@ -11,8 +11,9 @@ from epp.config import ConfigError, parse_config
 from epp.errors import RequestError
 from epp.request import LatencyTarget
 from epp.router import Router
+from epp.scheduling.data import LATENCY_TARGET
 from epp.scheduling.filters.latency_target import LatencyTargetFilter, LatencyTargetParams
-from epp.scheduling.scorers.latency import LATENCY_TARGET, PredictedLatencyScorer
+from epp.scheduling.scorers.latency import PredictedLatencyScorer
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
 from epp.state.inflight import Load

@@ -75,7 +75,7 @@ async def test_a_request_held_by_flow_control_is_routed_with_its_configuration()
     assert handler.handle(body_msg(_body(100))) == ()
     assert handler.pending is not None
     request = handler.pending.request
-    held = asyncio.create_task(router.admit(request, handler.context.generation))
+    held = asyncio.create_task(router.admit(handler.context, request))
     for _ in range(100):
         if router.flow.queued() == 1:
             break
@@ -99,7 +99,7 @@ async def test_a_request_held_by_flow_control_is_routed_with_its_configuration()
     later.handle(headers_msg())
     assert later.handle(body_msg(_body(100))) == ()
     assert later.pending is not None
-    await router.admit(later.pending.request, later.context.generation)
+    await router.admit(later.context, later.pending.request)
     (answer,) = later.resume()
     header, _ = destination(answer, "request_body")
     assert len(header.split(",")) == 1

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from epp import errors
 from epp.errors import RequestError
 from epp.request import InferenceRequest, LatencyTarget
-from epp.scheduling.data import Input
+from epp.scheduling.data import LATENCY_TARGET, Input
 from epp.scheduling.framework import Cycle, Filter, Scorer, register
 from epp.scheduling.params import Params, param
-from epp.scheduling.scorers.latency import LATENCY_TARGET, PREDICTED_LATENCY, Prediction
+from epp.scheduling.scorers.latency import PREDICTED_LATENCY, Prediction
 from epp.state.snapshot import EndpointState
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from epp.request import InferenceRequest, LatencyTarget
+from epp.request import InferenceRequest
 from epp.scheduling.data import DataKey, Input
 from epp.scheduling.framework import Cycle, Producer, Scorer, register
 from epp.scheduling.params import Params, param
@@ -41,9 +41,6 @@ class Prediction:
 PREDICTED_LATENCY: DataKey[Mapping[str, Prediction]] = DataKey(
     "predicted TTFT and TPOT per endpoint"
 )
-# The request's latency targets, when it has any (set by the router: a trusted caller's
-# x-llm-d-slo-ttft-ms / -tpot-ms header, else its objective's, else the latency-target-filter's).
-LATENCY_TARGET: DataKey[LatencyTarget] = DataKey("the request's latency targets")
 
 
 @dataclass(frozen=True, slots=True)
