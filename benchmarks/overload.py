@@ -11,7 +11,11 @@ epp processes (two epps sharing Redis, each behind its own Envoy), on one fresh 
 replicas run vLLM's ``--scheduling-policy priority``, epp writes each request's priority into
 its body (``request.engine_priority``) and lets F x more batch in. ``--pool-reserve R ...``
 adds rows with engine priority and a reserve for the pool instead of per endpoint
-(``admission.pool_reserve``, :func:`_pool_limits`). Writes benchmarks/results/overload.md
+(``admission.pool_reserve``, :func:`_pool_limits`). ``--learned`` adds rows without any
+hand-computed limit: ``queue`` as docs/admission.md's example configures it (fixed limits), and
+``queue`` with the objectives alone, without and with a critical ``ttft_ms`` target
+(``--critical-ttft-ms``): admission keeps room by the latency model's predictions
+(epp.admission.objectives). Writes benchmarks/results/overload.md
 (``--output``); docs/overload.md reads it.
 
     .venv/bin/python -m benchmarks.overload --repeat 2 --duration 60 --drain 20 --spill
@@ -42,6 +46,8 @@ from benchmarks.routers import FleetStack
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "shed", "queue")
 SPILL = "queue + spill"
+DOCUMENTED = "queue as documented"
+LEARNED = "queue, objectives only"
 ENGINE = "queue + engine priority"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CRITICAL, BATCH = 10, -1
@@ -178,6 +184,7 @@ def _stack(
     admission: dict[str, Any],
     epps: int = 2,
     engine_priority: bool = False,
+    objectives: dict[str, Any] | None = None,
 ) -> FleetStack:
     """A fleet; with ``engine_priority`` its engines order and preempt by the body's
     priority, which epp writes there."""
@@ -193,7 +200,7 @@ def _stack(
             "admission": admission,
             # The objective header stands for a gateway in front that sets it.
             "request": {
-                "objectives": OBJECTIVES,
+                "objectives": objectives or OBJECTIVES,
                 "engine_priority": engine_priority,
                 "trusted_headers": True,
             },
@@ -293,6 +300,21 @@ def _kv_requests(cal: Calibration, args: argparse.Namespace) -> int:
     return max(1, int(args.num_gpu_blocks * BLOCK_TOKENS // (cal.prompt_tokens + args.max_tokens)))
 
 
+def _learned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(label, admission section, objectives) of the rows without hand-computed limits: the
+    documented example's fixed limits, the objectives alone, and with a critical target."""
+    band = {BATCH: {"capacity": args.batch_capacity, "ttl": args.ttl}}
+    documented = {"mode": "queue", "max_requests": 6, "sheddable_reserve": 0.34}
+    learned = {"mode": "queue", "ttl": args.ttl, "bands": band}
+    out = [(DOCUMENTED, documented | {"bands": {BATCH: {"ttl": 30}}}, OBJECTIVES)]
+    out.append((LEARNED, learned, OBJECTIVES))
+    for target in args.critical_ttft_ms:
+        critical = {"priority": CRITICAL, "ttft_ms": target}
+        label = f"queue, objectives + critical ttft_ms {target:g}"
+        out.append((label, learned, {**OBJECTIVES, "critical": critical}))
+    return out
+
+
 def _variants(cal: Calibration, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, admission section) per row: ``off`` and ``shed`` as before flow control
     (utilisation thresholds only), ``queue`` once per ``--headroom``."""
@@ -343,9 +365,15 @@ def _fate(o: Outcome) -> str:
 
 
 def _run_mode(
-    mode: str, admission: dict[str, Any], cal: Calibration, args: argparse.Namespace, workdir: Path
+    mode: str,
+    admission: dict[str, Any],
+    cal: Calibration,
+    args: argparse.Namespace,
+    workdir: Path,
+    objectives: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    stack = _stack(workdir / "home", args, admission, engine_priority=mode.startswith(ENGINE))
+    engine = mode.startswith(ENGINE)
+    stack = _stack(workdir / "home", args, admission, engine_priority=engine, objectives=objectives)
     with contextlib.ExitStack() as running:
         if mode == SPILL:
             # The other region: its own fleet behind its own Envoy and epp (admission off).
@@ -550,6 +578,20 @@ def main() -> None:
         "engine's KV cache holds)",
     )
     parser.add_argument(
+        "--learned",
+        action="store_true",
+        help="add rows without hand-computed limits: queue as the docs' example configures it, "
+        "and queue with the objectives alone (and with each --critical-ttft-ms target)",
+    )
+    parser.add_argument(
+        "--critical-ttft-ms",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="MS",
+        help="with --learned: a row per critical ttft_ms target",
+    )
+    parser.add_argument(
         "--output",
         type=Path,
         default=ROOT / "benchmarks" / "results" / "overload.md",
@@ -563,9 +605,12 @@ def main() -> None:
             prompt = args.prompt_words * 2.2  # this tokenizer's ratio on these prompts
             cal = Calibration([], args.capacity, args.latency, prompt)
         results = []
+        rows = [(m, a, OBJECTIVES) for m, a in _variants(cal, args)]
+        rows += _learned(args) if args.learned else []
         for run in range(1, args.repeat + 1):
-            for i, (mode, admission) in enumerate(_variants(cal, args)):
-                result = _run_mode(mode, admission, cal, args, Path(tmp) / f"{i}-{run}")
+            for i, (mode, admission, objectives) in enumerate(rows):
+                workdir = Path(tmp) / f"{i}-{run}"
+                result = _run_mode(mode, admission, cal, args, workdir, objectives)
                 results.append({**result, "run": run})
                 print(json.dumps({k: v for k, v in result.items() if k != "unloaded_ttft"}))
     report = _report(cal, results, args)

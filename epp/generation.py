@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
+from epp.admission.objectives import Objectives
 from epp.config import Config
 from epp.discovery.policy import ClusterPolicy
 from epp.request import InferenceRequest, LatencyTarget
@@ -50,6 +51,8 @@ class Generation:
     rewrites: RewriteTable
     # The model names a request may send (configured ones and those rules rewrite).
     models: AcceptedModels
+    # The priorities queue mode protects by predicted latency when no explicit limit is set.
+    objectives: Objectives
     # Why some of the cluster's rules or objectives are not used as they are (for a log line).
     problems: tuple[str, ...]
 
@@ -92,6 +95,7 @@ class Generation:
             },
             rewrites=rewrites,
             models=AcceptedModels(config.models, rewrites),
+            objectives=_objectives(config),
             problems=tuple(problems),
         )
 
@@ -110,6 +114,14 @@ class Generation:
             return self.objective_targets.get(request.objective, self.objective_targets[""])
         objective = policy.objective_targets.get(request.objective)
         return merged(self.default_target, objective, ttft, tpot)
+
+
+def _objectives(config: Config) -> Objectives:
+    """In queue mode, every configured priority above the lowest, with its TTFT target."""
+    if config.flow_control.mode != "queue":
+        return Objectives()
+    targets = {name: t.ttft for name, t in config.request.objective_targets.items()}
+    return Objectives.build(config.request.objectives, targets)
 
 
 def _header_seconds(raw: str | None) -> float | None:

@@ -68,7 +68,7 @@ class Router:
         # Discovered endpoints Envoy may not have resolved yet (set before the config below).
         self.settling = Settling()
         # Saturation and room of each model's candidates, under the current configuration.
-        self.room = Room(fleet, lambda: self._gen.config.admission)
+        self.room = Room(fleet, lambda: self._gen.config.admission, lambda: self._gen.objectives)
         # Holds requests while their pool is saturated (admission mode ``queue``).
         self.flow = FlowController(QueueLimits(), self.room.saturated, group=fleet.queues)
         # Tenant budgets: what each tenant spent and holds leased (docs/admission.md).

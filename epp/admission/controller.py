@@ -44,7 +44,7 @@ class FlowController:
     def __init__(
         self,
         limits: QueueLimits,
-        saturated: Callable[[str, bool], bool],
+        saturated: Callable[[str, int], bool],
         clock: Callable[[], float] = time.monotonic,
         group: GroupQueues | None = None,
     ) -> None:
@@ -92,7 +92,7 @@ class FlowController:
         if (
             (head is None or head < priority)
             and not (group is not None and group.waiting(key, priority, self._clock()))
-            and not self._saturated(key, priority < 0)
+            and not self._saturated(key, priority)
         ):
             return
         started = self._clock()
@@ -157,7 +157,7 @@ class FlowController:
                 _refuse(key, d)
             group = self._group if self.use_group else None
             while (head := queue.head_priority()) is not None:
-                if self._saturated(key, head < 0):
+                if self._saturated(key, head):
                     if group is not None:
                         group.no_room(key)
                     break

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from epp.admission.objectives import Headroom, Objectives
 from epp.admission.saturation import SaturationDetector
 from epp.observability import POOL_SATURATION
 from epp.state import EndpointState
@@ -20,9 +21,17 @@ from epp.state.fleet import FleetState
 class Room:
     """Saturation and room of each model's candidates (docs/admission.md)."""
 
-    def __init__(self, fleet: FleetState, detector: Callable[[], SaturationDetector]) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        detector: Callable[[], SaturationDetector],
+        objectives: Callable[[], Objectives],
+    ) -> None:
         self._fleet = fleet
         self._detector = detector
+        self._objectives = objectives
+        # What the objectives' room is measured with (epp.admission.objectives).
+        self.headroom = Headroom(fleet.latency.predict_ttft)
         self._candidates: Mapping[str, tuple[str, ...]] = {}
         self._pools: Mapping[str, str] = {}
 
@@ -32,6 +41,7 @@ class Room:
         """Each model's candidate addresses and each address's pool (a configuration swap)."""
         self._candidates = candidates
         self._pools = pools
+        self.headroom.forget(pools)
 
     def serves(self, model: str) -> bool:
         return model in self._candidates
@@ -46,9 +56,12 @@ class Room:
             addresses = tuple(a for a in addresses if a in allowed)
         return [endpoints.get(a) or EndpointState(a, self._pools[a]) for a in addresses]
 
-    def saturated(self, model: str, sheddable: bool = False) -> bool:
-        """Every candidate of ``model`` is full (utilisation or epp's own concurrency count;
-        ``sheddable``: with the share reserved for priority >= 0 counted as taken)."""
+    def saturated(self, model: str, priority: int = 0) -> bool:
+        """Is there no room in ``model``'s pool for a request of ``priority``? Every candidate
+        is full (utilisation, or epp's own concurrency count with the share reserved for
+        priority >= 0 counted as taken for sheddable work); or, with objectives and no
+        explicit limit, releasing it would leave a higher priority no replica that meets its
+        target (:meth:`learned`)."""
         now = time.time()
         candidates = self.candidates(model)
         # Endpoints passive health ejected get no work (the health filter), so their room is
@@ -56,21 +69,45 @@ class Room:
         # endpoints left. Unless all are ejected: then the filter keeps them all, and so do we.
         health = self._fleet.health
         candidates = [c for c in candidates if health.admits(c.address, now)] or candidates
-        saturated = self._detector().saturated(
-            candidates, now, self._fleet.inflight.load, sheddable
-        )
+        detector = self._detector()
+        load = self._fleet.inflight.load
+        saturated = detector.saturated(candidates, now, load, priority < 0)
+        objectives = self.learned()
+        if not saturated and objectives.above(priority):
+            open_ = [c for c in candidates if not detector.endpoint_full(c, now)]
+            saturated = not self.headroom.allows(priority, objectives, open_, load, now)
         POOL_SATURATION.labels(model).set(float(saturated))
         return saturated
 
+    def learned(self) -> Objectives:
+        """The objectives admission protects by prediction: none while an explicit limit
+        (``max_requests``, ``max_tokens``) says what room is."""
+        detector = self._detector()
+        if detector.max_requests or detector.max_tokens:
+            return Objectives()
+        return self._objectives()
+
+    def arrived(self, priority: int, prompt_tokens: int) -> None:
+        """A request arrived: its size teaches what its priority's requests take."""
+        self.headroom.arrived(priority, prompt_tokens, self._objectives().priorities)
+
     def with_room(
-        self, candidates: list[EndpointState], sheddable: bool, now: float
+        self, candidates: list[EndpointState], priority: int, now: float
     ) -> list[EndpointState]:
         """The candidates that are not full, or all of them if every one is.
 
         Flow control releases a request because some candidate has room; scoring alone (prefix
         affinity above all) would still pick a full one, the pool would still have room, and
         the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
-        Dispatch)."""
+        Dispatch). With learned room, a candidate also needs a free decode slot; among those
+        left the profile chooses (prefix affinity)."""
         full = self._detector().endpoint_full
         load = self._fleet.inflight.load
-        return [c for c in candidates if not full(c, now, load(c.address), sheddable)] or candidates
+        sheddable = priority < 0
+        slots = self.headroom.free_slots if self.learned().protected else None
+        return [
+            c
+            for c in candidates
+            if not full(c, now, current := load(c.address), sheddable)
+            and (slots is None or slots(c, current) >= 1)
+        ] or candidates

@@ -35,6 +35,19 @@ def test_queue_mode_without_a_per_replica_limit_protects_nothing() -> None:
     assert warnings(admission={"mode": "queue", "max_requests": 6}) == []
 
 
+def test_queue_mode_with_objectives_and_no_limits_protects_the_higher_priorities() -> None:
+    """No limit to guess: objectives at two priorities are what admission keeps room for, and
+    their latency targets are read by admission even when no plugin reads them."""
+    assert warnings(admission={"mode": "queue"}, request={"objectives": CRITICAL}) == []
+    single = {"objectives": {"critical": {"priority": 10, "ttft_ms": 1500}}}
+    (warning,) = [
+        w
+        for w in warnings(admission={"mode": "queue"}, request=single)
+        if w.startswith("admission.mode is queue")
+    ]
+    assert "name objectives at two or more priorities" in warning
+
+
 def test_a_reserve_without_a_limit_reserves_nothing() -> None:
     (warning,) = warnings(admission={"mode": "shed", "sheddable_reserve": 0.3})
     assert "nothing is reserved" in warning
@@ -66,9 +79,9 @@ def test_check_config_prints_the_warnings_and_still_exits_0(tmp_path: Path) -> N
         "nor admission.max_tokens: held requests are released whenever a "
         "replica has fewer than queue_threshold (5) waiting and KV below "
         "kv_threshold (0.8), so critical requests queue behind the batch "
-        "work admitted before them; set a per-replica limit and "
-        "sheddable_reserve to keep room for priority >= 0 "
-        "(docs/admission.md)"
+        "work admitted before them; name objectives at two or more priorities in "
+        "request.objectives (with ttft_ms targets) so admission keeps room for the higher "
+        "ones, or set a per-replica limit and sheddable_reserve (docs/admission.md)"
     )
     assert ": warning: " in lines[0]
     assert lines[-1].endswith(": valid")

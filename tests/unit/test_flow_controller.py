@@ -127,7 +127,9 @@ async def test_a_request_held_for_an_empty_pool_asks_for_a_replica() -> None:
 
 async def test_critical_goes_past_held_batch_while_there_is_room_for_it() -> None:
     # Saturated for sheddable work only (the reserve keeps room for priority >= 0).
-    flow = FlowController(QueueLimits(100, BandLimits(10, 30.0)), lambda _key, sheddable: sheddable)
+    flow = FlowController(
+        QueueLimits(100, BandLimits(10, 30.0)), lambda _key, priority: priority < 0
+    )
     batch = asyncio.create_task(flow.admit("m", -1, "f"))
     await _until_queued(flow, 1)
     # Not queued behind the batch request, not even for one dispatch tick.
@@ -188,12 +190,12 @@ async def test_a_pool_reserve_keeps_the_last_slot_for_critical_wherever_it_is() 
     router.fleet.inflight.add("127.0.0.1:8002", 10)
     router.fleet.inflight.add("127.0.0.1:8002", 10)
     # 8002 is full to its whole limit; 8001's two slots are room, one more than the reserve.
-    assert not router.room.saturated("tiny", sheddable=True)
+    assert not router.room.saturated("tiny", priority=-1)
     batch = InferenceRequest("b", "/v1/completions", "completions", "tiny", "hi", priority=-1)
     decision, _ = router.route(batch)
     assert decision.endpoints[0].address == "127.0.0.1:8001"
     # The last slot is the reserve: batch is held, critical still goes there.
-    assert router.room.saturated("tiny", sheddable=True)
+    assert router.room.saturated("tiny", priority=-1)
     assert not router.room.saturated("tiny")
     critical = InferenceRequest("c", "/v1/completions", "completions", "tiny", "hi", priority=10)
     decision, _ = router.route(critical)

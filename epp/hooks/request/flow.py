@@ -38,6 +38,7 @@ class FlowHold:
         # Demand counts on arrival, before any wait: requests held for a pool with no ready
         # replica are what must scale it from zero.
         self._arrived(request.model)
+        self._room.arrived(request.priority, request.prompt_tokens())
         return lambda: self._flow.admit(request.model, request.priority, request.fairness_id)
 
     def withdraw(self, context: RequestContext) -> None:
@@ -48,4 +49,4 @@ class FlowHold:
     ) -> Endpoints:
         if gen.config.flow_control.mode != "queue":
             return found
-        return self._room.with_room(found, request.priority < 0, now)
+        return self._room.with_room(found, request.priority, now)

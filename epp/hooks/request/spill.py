@@ -37,7 +37,7 @@ class Spill:
         now = time.time()
         return config.spillover.target(
             config.spillover.overflow_for(spec.pools),
-            lambda: self._room.saturated(request.model, request.priority < 0),
+            lambda: self._room.saturated(request.model, request.priority),
             lambda name: config.spillover.saturated(name, endpoints, config.admission, load, now),
         )
 
