@@ -139,15 +139,21 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _prompt(kind: str, i: int, words: int) -> str:
-    # The request's own number starts the prompt, so no two requests share a KV block.
-    return f"{kind} {i} " + "the quick brown fox jumps over a lazy dog " * (words // 9)
+def _prompt(kind: str, i: int, words: int, documents: int = 0) -> str:
+    """The request's own number starts the prompt, so no two requests share a KV block; with
+    ``documents``, it ends the prompt instead, after one of that many shared documents."""
+    text = "the quick brown fox jumps over a lazy dog " * (words // 9)
+    if documents:
+        return f"{kind} document {i % documents} {text} question {i}"
+    return f"{kind} {i} " + text
 
 
 def _requests(kind: str, count: int, args: argparse.Namespace) -> list[Request]:
     """``kind`` is the objective too (critical or batch)."""
+    documents = args.batch_documents if kind == "batch" else 0
     return [
-        _request(kind, _prompt(kind, i, args.prompt_words), args.max_tokens) for i in range(count)
+        _request(kind, _prompt(kind, i, args.prompt_words, documents), args.max_tokens)
+        for i in range(count)
     ]
 
 
@@ -406,6 +412,8 @@ def _run_mode(
         sampler.join(10)
         held = _held(stack, 0, CRITICAL)
         spilled = _spilled(stack, 1)
+        hits = sum(_replica_metric(stack, "vllm:prefix_cache_hits_total"))
+        queries = sum(_replica_metric(stack, "vllm:prefix_cache_queries_total"))
     assert batch is not None
     ttft = _ttfts(critical.outcomes)
     # Goodput: batch requests completed within the arrival window (work still queued or
@@ -423,6 +431,7 @@ def _run_mode(
         "batch_goodput": in_window / args.duration,
         "batch": dict(Counter(_fate(o) for o in batch.outcomes)) | spilled,
         "kv_mean": statistics.fmean(s[0] for s in samples) if samples else float("nan"),
+        "hit_rate": hits / queries if queries else float("nan"),
         "engine_running": statistics.fmean(s[1] for s in samples) if samples else float("nan"),
         "engine_waiting": statistics.fmean(s[2] for s in samples) if samples else float("nan"),
     }
@@ -501,8 +510,8 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
         "",
         "| admission | run | critical TTFT p50 | critical TTFT p99 (x unloaded) | critical ok "
         f"| critical held by epp (n, mean) | batch goodput (/s, % of the {left:g}/s left) "
-        "| mean KV use | engine running / waiting | batch outcomes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mean KV use | prefix-cache hit rate | engine running / waiting | batch outcomes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p99, goodput = r["critical_p99"], r["batch_goodput"]
@@ -511,7 +520,7 @@ def _report(cal: Calibration, results: list[dict[str, Any]], args: argparse.Name
             f"| {p99:.3f} s ({p99 / base99:.1f}x) | {r['critical_ok']}/{r['critical_sent']} "
             f"| {_held_text(r['critical_held'])} "
             f"| {goodput:.2f} ({100 * goodput / left:.0f}%) "
-            f"| {100 * r['kv_mean']:.1f}% "
+            f"| {100 * r['kv_mean']:.1f}% | {100 * r['hit_rate']:.0f}% "
             f"| {r['engine_running']:.1f} / {r['engine_waiting']:.1f} | {r['batch']} |"
         )
     return "\n".join(lines) + "\n"
@@ -541,6 +550,13 @@ def main() -> None:
         "--headroom", type=float, nargs="+", default=[1.0, 1.5], help="queue: batch limit factors"
     )
     parser.add_argument("--batch-capacity", type=int, default=64)
+    parser.add_argument(
+        "--batch-documents",
+        type=int,
+        default=0,
+        metavar="K",
+        help="batch prompts share one of K documents (0: every prompt unique)",
+    )
     parser.add_argument("--ttl", type=float, default=10.0)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

@@ -16,6 +16,7 @@ from epp.admission.saturation import SaturationDetector
 from epp.observability import POOL_SATURATION
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
+from epp.state.inflight import Load
 
 
 class Room:
@@ -60,8 +61,8 @@ class Room:
         """Is there no room in ``model``'s pool for a request of ``priority``? Every candidate
         is full (utilisation, or epp's own concurrency count with the share reserved for
         priority >= 0 counted as taken for sheddable work); or, with objectives and no
-        explicit limit, releasing it would leave a higher priority no replica that meets its
-        target (:meth:`learned`)."""
+        explicit limit (:meth:`learned`), no candidate has a free decode slot, or releasing
+        the request would leave a higher priority no replica that meets its target."""
         now = time.time()
         candidates = self.candidates(model)
         # Endpoints passive health ejected get no work (the health filter), so their room is
@@ -71,13 +72,25 @@ class Room:
         candidates = [c for c in candidates if health.admits(c.address, now)] or candidates
         detector = self._detector()
         load = self._fleet.inflight.load
-        saturated = detector.saturated(candidates, now, load, priority < 0)
         objectives = self.learned()
-        if not saturated and objectives.above(priority):
-            open_ = [c for c in candidates if not detector.endpoint_full(c, now)]
-            saturated = not self.headroom.allows(priority, objectives, open_, load, now)
+        if objectives.protected:
+            open_ = [c for c in candidates if not self._full(detector, c, now, load(c.address))]
+            saturated = not open_ or not self.headroom.allows(
+                priority, objectives, open_, load, now
+            )
+        else:
+            saturated = detector.saturated(candidates, now, load, priority < 0)
         POOL_SATURATION.labels(model).set(float(saturated))
         return saturated
+
+    def _full(
+        self, detector: SaturationDetector, endpoint: EndpointState, now: float, load: Load
+    ) -> bool:
+        """Full for admission driven by objectives: not ready, stale metrics, a long queue, or
+        no free decode slot (which measures the KV cache instead of ``kv_threshold``)."""
+        return detector.endpoint_full(endpoint, now, kv=False) or (
+            self.headroom.free_slots(endpoint, load) < 1
+        )
 
     def learned(self) -> Objectives:
         """The objectives admission protects by prediction: none while an explicit limit
@@ -99,15 +112,13 @@ class Room:
         Flow control releases a request because some candidate has room; scoring alone (prefix
         affinity above all) would still pick a full one, the pool would still have room, and
         the dispatcher would release the whole queue onto that one endpoint (docs/admission.md,
-        Dispatch). With learned room, a candidate also needs a free decode slot; among those
-        left the profile chooses (prefix affinity)."""
-        full = self._detector().endpoint_full
+        Dispatch). With learned room, a candidate needs a free decode slot; among those left
+        the profile chooses (prefix affinity)."""
+        detector = self._detector()
         load = self._fleet.inflight.load
-        sheddable = priority < 0
-        slots = self.headroom.free_slots if self.learned().protected else None
-        return [
-            c
-            for c in candidates
-            if not full(c, now, current := load(c.address), sheddable)
-            and (slots is None or slots(c, current) >= 1)
-        ] or candidates
+        if self.learned().protected:
+            kept = [c for c in candidates if not self._full(detector, c, now, load(c.address))]
+        else:
+            full, sheddable = detector.endpoint_full, priority < 0
+            kept = [c for c in candidates if not full(c, now, load(c.address), sheddable)]
+        return kept or candidates

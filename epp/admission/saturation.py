@@ -53,7 +53,10 @@ class SaturationDetector:
         now: float,
         load: Load | None = None,
         sheddable: bool = False,
+        kv: bool = True,
     ) -> bool:
+        """Over a limit or a utilisation threshold (``kv``: KV use counts; admission driven
+        by objectives measures KV in decode slots instead, epp.admission.objectives)."""
         metrics = endpoint.metrics
         share = 1.0 - self.sheddable_reserve if sheddable else 1.0
         if load is not None and (
@@ -65,7 +68,7 @@ class SaturationDetector:
             not endpoint.ready
             or endpoint.age(now) > self.stale_seconds
             or metrics.waiting >= self.queue_threshold
-            or metrics.kv_usage >= self.kv_threshold
+            or (kv and metrics.kv_usage >= self.kv_threshold)
         )
 
     def saturated(
