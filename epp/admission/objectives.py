@@ -9,9 +9,11 @@ target on some replica (docs/admission.md, "Objectives instead of limits"):
 - the prediction is the latency model's (:mod:`epp.state.latency`, learned from every
   response), for a prompt of the objective's typical size (its arrivals' mean), counting the
   prefill epp already has queued on that replica and the request about to be released;
-- the replica must keep a decode slot for it after the release: its KV cache holds
-  ``capacity / tokens per running request`` requests (both read from its metrics, the
-  tokens per request learned as it runs), and what epp has in flight there takes slots first.
+- the replicas that would meet the target must keep free decode slots after the release for
+  that priority's arrivals expected within its target (its arrival rate times the target,
+  at least one): a replica's KV cache holds ``capacity / tokens per running request``
+  requests (both read from its metrics, the tokens per request learned as it runs), and
+  what epp has in flight there takes slots first.
 
 Nothing here is a count a user sets: speeds, sizes and slots are learned and re-learned as
 they change. The explicit limits (``max_requests``, ``max_tokens``, the reserves) still apply
@@ -20,6 +22,7 @@ on top when they are set. Nothing here does I/O or reads a clock: callers pass `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +36,8 @@ DEFAULT_FACTOR = 1.5
 SMOOTHING = 0.05
 # Prompt tokens assumed for a priority before any of its requests arrived.
 DEFAULT_PROMPT = 256.0
+# Time constant of each priority's measured arrival rate, seconds.
+RATE_SECONDS = 10.0
 
 Predict = Callable[[str, Sequence[float], float], float]
 
@@ -84,20 +89,31 @@ class Headroom:
         self._predict = predict
         # Mean prompt tokens of each configured priority's arrivals.
         self._prompt: dict[int, float] = {}
+        # Each configured priority's arrival rate (per second) and when it was last updated.
+        self._rate: dict[int, tuple[float, float]] = {}
         # Mean KV tokens one running request holds, per endpoint (from its metrics).
         self._per_request: dict[str, float] = {}
 
-    def arrived(self, priority: int, prompt_tokens: int, configured: frozenset[int]) -> None:
+    def arrived(
+        self, priority: int, prompt_tokens: int, configured: frozenset[int], now: float
+    ) -> None:
         """A request of ``priority`` arrived; only ``configured`` priorities are kept, so the
-        table stays bounded whatever clients send and however often it is reloaded."""
+        tables stay bounded whatever clients send and however often it is reloaded."""
         if priority not in configured:
             return
         if not self._prompt.keys() <= configured:
             self._prompt = {p: s for p, s in self._prompt.items() if p in configured}
+            self._rate = {p: r for p, r in self._rate.items() if p in configured}
+        self._rate[priority] = (self.rate(priority, now) + 1 / RATE_SECONDS, now)
         known = self._prompt.get(priority)
         self._prompt[priority] = (
             float(prompt_tokens) if known is None else known + SMOOTHING * (prompt_tokens - known)
         )
+
+    def rate(self, priority: int, now: float) -> float:
+        """Requests of ``priority`` arriving per second, lately (exponentially weighted)."""
+        rate, at = self._rate.get(priority, (0.0, now))
+        return rate * math.exp(-max(0.0, now - at) / RATE_SECONDS)
 
     def forget(self, endpoints: Iterable[str]) -> None:
         """Keep what was learned about ``endpoints`` only (the others left)."""
@@ -113,17 +129,22 @@ class Headroom:
         now: float,
     ) -> bool:
         """May a request of ``priority`` go now? Yes when, for every protected priority above
-        it, some candidate would still serve that priority's next arrival within its target
-        and with a free decode slot once this request is there too."""
+        it, the candidates that would still start that priority's next arrival within its
+        target, with this request there too, keep free decode slots for the arrivals expected
+        within the target (at least one) besides the one this request takes."""
         released = self._prompt.get(priority, DEFAULT_PROMPT)
         for protected in objectives.above(priority):
             size = self._prompt.get(protected.priority, DEFAULT_PROMPT)
             target = protected.ttft
             if target is None:
                 target = DEFAULT_FACTOR * self._idle_ttft(size, candidates, now)
-            if not any(
-                self._keeps(c, load(c.address), released, size, target, now) for c in candidates
-            ):
+            expected = max(1, math.ceil(self.rate(protected.priority, now) * target))
+            free = 0.0
+            for c in candidates:
+                current = load(c.address)
+                if self._starts(c, current, released, size, target, now):
+                    free += max(0.0, self.free_slots(c, current))
+            if free < 1 + expected:
                 return False
         return True
 
@@ -148,7 +169,7 @@ class Headroom:
         busy = max(load.requests, metrics.running + metrics.waiting)
         return capacity / per_request - busy
 
-    def _keeps(
+    def _starts(
         self,
         endpoint: EndpointState,
         load: Load,
@@ -157,10 +178,8 @@ class Headroom:
         target: float,
         now: float,
     ) -> bool:
-        """With the released request there, would ``endpoint`` still take an arrival of
-        ``size`` prompt tokens into a free slot and start it within ``target``?"""
-        if self.free_slots(endpoint, load) < 2:
-            return False
+        """With the released request there, would ``endpoint`` still start an arrival of
+        ``size`` prompt tokens within ``target``?"""
         after = Load(
             load.requests + 1, load.tokens, load.prefill + round(released), load.waiting + 1
         )

@@ -102,7 +102,8 @@ class Room:
 
     def arrived(self, priority: int, prompt_tokens: int) -> None:
         """A request arrived: its size teaches what its priority's requests take."""
-        self.headroom.arrived(priority, prompt_tokens, self._objectives().priorities)
+        configured = self._objectives().priorities
+        self.headroom.arrived(priority, prompt_tokens, configured, time.time())
 
     def with_room(
         self, candidates: list[EndpointState], priority: int, now: float

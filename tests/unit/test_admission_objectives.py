@@ -4,6 +4,7 @@ target on some replica with a free decode slot; no request count to guess."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -46,8 +47,8 @@ def test_objectives_protect_every_priority_above_the_lowest_with_its_tightest_ta
 def test_batch_is_released_while_critical_would_still_meet_its_target() -> None:
     room = Headroom(_predict)
     configured = frozenset({10, -1})
-    room.arrived(10, 500, configured)  # critical prompts: 500 tokens (0.5 s to prefill)
-    room.arrived(-1, 400, configured)
+    room.arrived(10, 500, configured, 0.0)  # critical prompts: 500 tokens (0.5 s to prefill)
+    room.arrived(-1, 400, configured, 0.0)
     objectives = Objectives((Protected(10, 1.5),), configured)
     loads = {A: Load(), B: Load()}
     endpoints = [_endpoint(A), _endpoint(B)]
@@ -65,8 +66,8 @@ def test_batch_is_released_while_critical_would_still_meet_its_target() -> None:
 def test_without_a_target_the_default_is_a_multiple_of_the_idle_prediction() -> None:
     room = Headroom(_predict)
     configured = frozenset({10, -1})
-    room.arrived(10, 1000, configured)
-    room.arrived(-1, 100, configured)
+    room.arrived(10, 1000, configured, 0.0)
+    room.arrived(-1, 100, configured, 0.0)
     objectives = Objectives((Protected(10, None),), configured)
     idle = 0.05 + 1000 / TOKENS_UNIT
     queued = (DEFAULT_FACTOR - 1) * idle  # seconds of prefill the target leaves ahead of it
@@ -90,13 +91,30 @@ def test_a_replica_keeps_a_decode_slot_from_its_kv_capacity() -> None:
     assert room.free_slots(EndpointState(B, "main"), Load(50)) == float("inf")
 
 
+def test_busier_higher_priorities_keep_more_slots_free() -> None:
+    """Room for the arrivals expected within the target, not just the next one."""
+    room = Headroom(_predict)
+    configured = frozenset({10, -1})
+    objectives = Objectives((Protected(10, 0.5),), configured)
+    for i in range(80):  # 8/s for 10 s: the measured rate has climbed to about 5/s
+        room.arrived(10, 100, configured, i / 8)
+    assert room.rate(10, 10.0) == pytest.approx(8 * (1 - math.exp(-1)), rel=0.1)
+    # 3 arrivals expected within 0.5 s, and the released request: 4 slots. The replica
+    # holds 6.7 (720 KV tokens per running request).
+    endpoint = _endpoint(A, running=1, kv=0.15)
+    assert room.allows(-1, objectives, [endpoint], lambda _: Load(0), 10.0)
+    assert not room.allows(-1, objectives, [endpoint], lambda _: Load(3), 10.0)
+    # Quiet for a minute: the rate decays, room for the next arrival is enough again.
+    assert room.allows(-1, objectives, [endpoint], lambda _: Load(3), 70.0)
+
+
 def test_room_tables_stay_bounded() -> None:
     room = Headroom(_predict)
     for priority in range(1000):
-        room.arrived(priority, 10, frozenset({10, -1}))
-    room.arrived(10, 10, frozenset({10, -1}))
-    room.arrived(5, 10, frozenset({5, -1}))  # reloaded: 10 is no longer configured
-    assert set(room._prompt) == {5}
+        room.arrived(priority, 10, frozenset({10, -1}), 0.0)
+    room.arrived(10, 10, frozenset({10, -1}), 0.0)
+    room.arrived(5, 10, frozenset({5, -1}), 0.0)  # reloaded: 10 is no longer configured
+    assert set(room._prompt) == set(room._rate) == {5}
     room.free_slots(_endpoint(A, running=1, kv=0.1), Load())
     room.forget([B])
     assert room._per_request == {}
