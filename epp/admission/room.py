@@ -61,8 +61,10 @@ class Room:
         """Is there no room in ``model``'s pool for a request of ``priority``? Every candidate
         is full (utilisation, or epp's own concurrency count with the share reserved for
         priority >= 0 counted as taken for sheddable work); or, with objectives and no
-        explicit limit (:meth:`learned`), no candidate has a free decode slot, or releasing
-        the request would leave a higher priority no replica that meets its target."""
+        explicit limit (:meth:`learned`), every candidate is unready, stale or has a long
+        queue, or releasing the request would leave a higher priority too few free decode
+        slots on the replicas that meet its target. Decode slots hold back only the work
+        below a protected priority: the highest goes on to the engines."""
         now = time.time()
         candidates = self.candidates(model)
         # Endpoints passive health ejected get no work (the health filter), so their room is
@@ -74,7 +76,7 @@ class Room:
         load = self._fleet.inflight.load
         objectives = self.learned()
         if objectives.protected:
-            open_ = [c for c in candidates if not self._full(detector, c, now, load(c.address))]
+            open_ = [c for c in candidates if not detector.endpoint_full(c, now, kv=False)]
             saturated = not open_ or not self.headroom.allows(
                 priority, objectives, open_, load, now
             )
@@ -86,8 +88,9 @@ class Room:
     def _full(
         self, detector: SaturationDetector, endpoint: EndpointState, now: float, load: Load
     ) -> bool:
-        """Full for admission driven by objectives: not ready, stale metrics, a long queue, or
-        no free decode slot (which measures the KV cache instead of ``kv_threshold``)."""
+        """No room for one more request with admission driven by objectives: not ready, stale
+        metrics, a long queue, or no free decode slot (which measures the KV cache instead of
+        ``kv_threshold``)."""
         return detector.endpoint_full(endpoint, now, kv=False) or (
             self.headroom.free_slots(endpoint, load) < 1
         )

@@ -154,8 +154,9 @@ async def test_the_pool_is_saturated_for_batch_once_queued_prefill_would_miss_th
 
 async def test_learned_room_measures_the_kv_cache_in_decode_slots_not_a_threshold() -> None:
     """KV use over kv_threshold (0.8) fills a replica for the count-based detector; with
-    objectives a replica with a free decode slot still takes critical work, and routing keeps
-    released work on replicas with a slot."""
+    objectives the highest priority is never held for KV (the slots kept for it hold batch
+    back instead), batch is held once no slots are left, and routing keeps work on replicas
+    with a free slot."""
     # 10 running requests hold 85% of 4800 tokens: 408 each, 11.8 slots, 1.8 free.
     roomy = _endpoint(A, running=10, kv=0.85)
     packed = _endpoint(B, running=11, kv=0.95)  # 415 each, 11.6 slots, 0.6 free
@@ -167,3 +168,8 @@ async def test_learned_room_measures_the_kv_cache_in_decode_slots_not_a_threshol
         assert router.room.saturated("tiny", 10) is not learned
         kept = router.room.with_room([roomy, packed], 10, time.time())
         assert [c.address for c in kept] == ([A] if learned else [A, B])
+    learned = await _router({})
+    for address in (A, B):
+        await learned.fleet.store.put_endpoint(_endpoint(address, running=11, kv=0.95))
+    assert not learned.room.saturated("tiny", 10)
+    assert learned.room.saturated("tiny", -1)
