@@ -515,9 +515,17 @@ def write_doc(text: str, path: Path = DOC) -> None:
     path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.partition(END)[2]}")
 
 
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return "unknown CPU"
+
+
 def report(points: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     summary = derived(points)
-    machine = f"{os.cpu_count()} cores, Python {sys.version.split()[0]}"
+    machine = f"{cpu_model()} ({os.cpu_count()} cores), Python {sys.version.split()[0]}"
     lines = [
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine}, "
         f"load average before the run {settings['load']:.1f}; scrape interval "
