@@ -526,10 +526,11 @@ def cpu_model() -> str:
 def report(points: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     summary = derived(points)
     machine = f"{cpu_model()} ({os.cpu_count()} cores), Python {sys.version.split()[0]}"
+    interval = f"{settings['interval']:g} s" if settings["interval"] else "per point (its column)"
     lines = [
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine}, "
         f"load average before the run {settings['load']:.1f}; scrape interval "
-        f"{settings['interval']} s, {settings['requests']} requests at {settings['rate']:g}/s "
+        f"{interval}, {settings['requests']} requests at {settings['rate']:g}/s "
         f"over {settings['groups']} prefix groups per point, {settings['idle']:g} s idle.",
         "",
         table(points),
