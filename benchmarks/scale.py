@@ -57,7 +57,7 @@ import redis
 from benchmarks.handler_cpu import messages
 from epp.config import parse_config
 from epp.extproc.stream import StreamHandler
-from epp.prefix.approximate import ApproximatePrefixIndex, Insertion
+from epp.prefix.approximate import ApproximatePrefixIndex, Insertion, approx_prefix
 from epp.server import Server
 from epp.wire import SERVED
 
@@ -198,7 +198,7 @@ class Instance:
     async def _start(self) -> Server:
         # The start of Server.run, without the gRPC, health and admin listeners.
         server = Server(Path(os.devnull), self._config)
-        self._picks.watch(server.fleet.prefix)
+        self._picks.watch(server.fleet.states.get(approx_prefix()))
         await server.store.start()
         server.discovery.configure(self._config)
         server._use(self._config)
