@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -16,7 +17,7 @@ from epp.devstack import free_port
 from epp.observability import RESPONSES
 from epp.sources.scraper import MetricsScraper
 from epp.state.memory import MemoryStore
-from epp.state.snapshot import EndpointState
+from epp.state.snapshot import EndpointState, Snapshot
 from tests.unit.conftest import eventually
 
 PAGE = (Path(__file__).resolve().parent.parent / "fixtures" / "metrics_sample_v0.txt").read_text()
@@ -324,5 +325,52 @@ async def test_set_endpoints_adds_removes_and_moves_endpoints(servers) -> None:
         assert a.hits == hits  # no longer scraped
         assert _state(store, a.address) is None  # and not written back by a late scrape
         assert _ready(store, b.address)
+    finally:
+        await scraper.stop()
+
+
+class _CountingStore(MemoryStore):
+    """Counts reads of the snapshot: one per followed endpoint per sweep (``_catch_up``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def snapshot(self) -> Snapshot:
+        self.reads += 1
+        return super().snapshot()
+
+
+async def test_endpoints_another_process_scrapes_cost_no_timer_each(
+    servers: Callable[[], FakeVllm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A timer per followed endpoint and interval cost every process of a group ~35% of a core
+    # at 1,000 endpoints; one sweep per interval follows them all.
+    replica = await _server(servers)
+    ours = replica.address
+    followed = {f"10.0.0.{i}:8000": "p" for i in range(100)}
+    owned: set[str] = set()
+    store = _CountingStore()
+    scraper = MetricsScraper(store, interval=0.01, timeout=0.5, owns=owned.__contains__)
+    scraper.set_endpoints({**followed, ours: "p"})
+    loop = asyncio.get_running_loop()
+    timers = 0
+    call_at = loop.call_at
+
+    def counting(*args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        nonlocal timers
+        timers += 1
+        return call_at(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", counting)
+    await scraper.start()
+    try:
+        await eventually(lambda: store.reads >= 10 * len(followed), what="ten sweeps")
+        # Every followed endpoint was mirrored each sweep, with about one timer per sweep.
+        assert timers * 10 < store.reads, (timers, store.reads)
+        assert replica.hits == 0
+        # Taken over: scraped within a sweep, and from then on every interval.
+        owned.add(ours)
+        await eventually(lambda: replica.hits >= 3, what="scrapes once ours")
     finally:
         await scraper.stop()

@@ -170,3 +170,36 @@ async def test_redis_outage_scrapes_everything_logs_once_and_recovers(
     # Once per process and outage, however many retries failed.
     assert len([m for m in messages if "scraping every endpoint" in m]) == 2, messages
     assert len([m for m in messages if "resumed" in m]) == 2, messages
+
+
+class _Script:
+    """Stands for a pipeline: records the keys the lease script was queued with."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def eval(self, _script: str, count: int, *args: object) -> None:
+        self.keys = [str(a) for a in args[:count]]
+
+
+async def test_a_settled_group_walks_only_the_leases_each_holds(group: Group) -> None:
+    # Walking every lease in every process costs Redis endpoints x processes reads a tick;
+    # once shares are settled a tick passes only the member set and the leases held.
+    interval = 0.5
+    members = [await group(interval=interval), await group(interval=interval)]
+    await eventually(lambda: exactly_one_owner_each(members) and shares(members) == [3, 4])
+    ticks = [m._ticks for m in members]
+    await eventually(
+        lambda: all(m._ticks >= t + 2 for m, t in zip(members, ticks, strict=True)),
+        within=30 * interval,
+        what="two more ticks each",
+    )
+    for member in members:
+        script = _Script()
+        order = member.leases.queue(script)
+        assert set(order) == member.leases.owned()
+        assert script.keys == [member.keys.members, *(member.keys.lease(e) for e in order)]
+    # A new endpoint list is walked whole on the next tick.
+    members[0].set_endpoints([*ENDPOINTS, "10.0.0.99:8000"])
+    script = _Script()
+    assert len(members[0].leases.queue(script)) == len(ENDPOINTS) + 1

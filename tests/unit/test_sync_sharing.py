@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -20,6 +21,8 @@ from epp.state.fleet import FleetState
 from epp.state.inflight import Load
 from epp.state.latency import Basis
 from epp.state.sessions import SessionTable
+from epp.state.shared.keys import Keys
+from epp.state.shared.picks import PickStream
 from epp.state.shared.sync import LOAD_INTERVALS, SharedState
 from tests.helpers import redis_servers
 from tests.unit.conftest import SHARED_URL, eventually
@@ -237,3 +240,38 @@ async def test_ticks_that_share_latency_evidence_share_everything_else_too(
     assert not [r for r in caplog.records if "unavailable" in r.message]
     assert fb.inflight.load(E3).requests == 1
     assert fb.latency.describe(E1, time.time()) is not None
+
+
+class _Stream:
+    """A client whose XREAD hands out canned replies, recording reads and the sleeps between."""
+
+    def __init__(self, replies: list[list[Any]], events: list[str], stream: PickStream) -> None:
+        self._replies = replies
+        self._events = events
+        self._stream = stream
+
+    async def xread(self, _streams: object, count: int, block: int | None) -> list[Any]:
+        self._events.append("read")
+        if len(self._replies) == 1:
+            self._stream._stopping = True
+        return self._replies.pop(0)
+
+
+async def test_a_reader_under_load_waits_a_linger_between_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without the wait every process would read each shipment of every other one by itself:
+    # the group's reads per request would grow with the number of processes.
+    entry = (b"1-0", {b"d": b"unreadable"})  # skipped (counted as rejected): only reads matter
+    events: list[str] = []
+    stream = PickStream(None, Keys("{t}"), "me", list, linger=0.005)
+    stream._client = _Stream([[["k", [entry]]], [], [["k", [entry]]]], events, stream)
+
+    async def sleep(seconds: float) -> None:
+        events.append(f"sleep {seconds}")
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    await stream._read_loop()
+    # A read that brought entries is followed by a linger; an empty one (the block timed out)
+    # is not: the next entry after a quiet spell is read as soon as it arrives.
+    assert events == ["read", "sleep 0.005", "read", "read", "sleep 0.005"]

@@ -63,6 +63,8 @@ _ENTRY_ITEMS = 32
 # The stream outlives its writers by this much, then goes: a group stopped for an hour restarts
 # cold anyway (engines evict, sessions expire), and Redis keeps nothing forever.
 _STREAM_TTL_MS = 3_600_000
+# How often a shipping process renews that TTL.
+_RENEW_S = 60.0
 
 
 class Replicated(Protocol):
@@ -124,6 +126,8 @@ class PickStream:
         self._stopping = False
         self._started_at = 0.0
         self._apply_failed = False
+        # When the stream's TTL is renewed next (at once: the first shipment sets it).
+        self._renew_at = 0.0
 
     def set_interval(self, interval: float) -> None:
         """Follow a new scrape interval: retry backoff starts there, polling runs at it."""
@@ -189,8 +193,14 @@ class PickStream:
                 chunk = items[start : start + _ENTRY_ITEMS]
                 entry = msgpack.packb([self._me, now, chunk, wire.VERSION])
                 pipe.xadd(self._key, {"d": entry}, maxlen=self._maxlen, approximate=True)
-            pipe.pexpire(self._key, _STREAM_TTL_MS)
+            # The stream's lifetime is renewed once in a while, not with every shipment (one
+            # command more per shipment, i.e. per few requests, for an hour-long TTL).
+            renew = time.monotonic() >= self._renew_at
+            if renew:
+                pipe.pexpire(self._key, _STREAM_TTL_MS)
             await pipe.execute()
+        if renew:
+            self._renew_at = time.monotonic() + _RENEW_S
         # Only now: a failed pipeline leaves them pending, in order.
         for _ in items:
             self._pending.popleft()
@@ -217,6 +227,13 @@ class PickStream:
                 self._apply(fields for _id, fields in entries)
             if self._poll is not None and len(entries) < _READ_COUNT:
                 await asyncio.sleep(self._poll)
+            elif entries and len(entries) < _READ_COUNT:
+                # The first entry after a quiet spell is read at once (XREAD BLOCK); under load
+                # the next read waits one linger so that it takes what every other process
+                # shipped meanwhile: a reader's reads are bounded by 1 / linger a second
+                # instead of following the group's shipments one by one, so the group's reads
+                # per request stop growing with the number of processes as load grows.
+                await asyncio.sleep(self._linger)
 
     def _apply(self, entries: Iterable[dict[bytes, bytes]]) -> None:
         batches: dict[str, list[Any]] = {}
