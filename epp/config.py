@@ -87,7 +87,7 @@ from epp.scheduling import (
 )
 from epp.scheduling.params import parse_params
 from epp.secrets import SecretError, expand, read_file
-from epp.state.health import HealthConfig
+from epp.state.health import LATENCY_RULES, HealthConfig
 from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
 from epp.state.shared.connect import has_password, with_credentials
 from epp.tls import ClientTls, ServerTls, client_tls_problems, server_tls_problems
@@ -1204,6 +1204,10 @@ def _health(node: _Node) -> HealthConfig:
             f"must be >= base_ejection_seconds ({base:g}), got {longest!r}"
         )
         longest = base
+    rule = node.get("latency_rule", str, d.latency_rule)
+    if rule not in LATENCY_RULES:
+        node.at("latency_rule").report(f"must be one of {', '.join(LATENCY_RULES)}, got {rule!r}")
+        rule = d.latency_rule
     return HealthConfig(
         enabled=node.get("enabled", bool, d.enabled),
         consecutive_failures=node.integer("consecutive_failures", d.consecutive_failures, ge=1),
@@ -1214,6 +1218,7 @@ def _health(node: _Node) -> HealthConfig:
         latency_floor_seconds=node.real("latency_floor_seconds", d.latency_floor_seconds, ge=0),
         latency_samples=node.integer("latency_samples", d.latency_samples, ge=1),
         latency_prompt_tokens=node.integer("latency_prompt_tokens", d.latency_prompt_tokens, ge=0),
+        latency_rule=rule,
         base_ejection_seconds=base,
         max_ejection_seconds=longest,
         max_ejection_percent=share,

@@ -79,6 +79,11 @@ class HealthConfig:
     # latency_prompt_tokens / ahead) before the comparison; less work ahead counts as
     # measured, the TTFT being mostly per-request cost. 0: never scaled.
     latency_prompt_tokens: int = 512
+    # How a streamed TTFT is judged (LATENCY_RULES): "residual" against the latency model's
+    # prediction for that request on that endpoint; "pool" (scaled as above) against the
+    # pool's other endpoints; "off": not at all. A whole response's time is compared with the
+    # pool's under "residual" and "pool" (the model predicts first tokens).
+    latency_rule: str = "residual"
     base_ejection_seconds: float = 5.0
     max_ejection_seconds: float = 60.0
     max_ejection_percent: float = 50.0
@@ -90,6 +95,9 @@ class HealthConfig:
     trial_interval_seconds: float = 0.5
     # A half-open trial whose answer never came is given up after this long.
     trial_timeout_seconds: float = 30.0
+
+
+LATENCY_RULES = ("residual", "pool", "off")
 
 
 class Circuit(enum.Enum):
@@ -119,6 +127,10 @@ class EndpointHealth:
     latencies: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=_WINDOW_LIMIT)
     )
+    # (time, measured / expected) per streamed TTFT the latency model predicted.
+    residuals: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=_WINDOW_LIMIT)
+    )
     # Ejections in a row (the backoff exponent), when the circuit opens until, why.
     ejections: int = 0
     until: float = 0.0
@@ -138,22 +150,32 @@ class EndpointHealth:
         horizon = now - window
         while self.outcomes and self.outcomes[0][0] < horizon:
             self.outcomes.popleft()
-        while self.latencies and self.latencies[0][0] < horizon:
-            self.latencies.popleft()
+        for samples in (self.latencies, self.residuals):
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
 
     def median_latency(self, count: int) -> float | None:
-        """The median of the last ``count`` samples, None with fewer: the latest ones, so a
-        replica that just turned slow stands out after ``count // 2 + 1`` samples, however
-        many fast ones the time window holds."""
-        if len(self.latencies) < count:
-            return None
-        # From the newest end: a copy of the whole window per answer costs more than the median.
-        # statistics.median's own arithmetic, without its call overhead (once per answer).
-        samples = sorted([s for _, s in itertools.islice(reversed(self.latencies), count)])
-        middle = count // 2
-        if count % 2:
-            return samples[middle]
-        return (samples[middle - 1] + samples[middle]) / 2
+        """The median of the last ``count`` latency samples, None with fewer."""
+        return _recent_median(self.latencies, count)
+
+    def median_residual(self, count: int) -> float | None:
+        """The median of the last ``count`` residual samples, None with fewer."""
+        return _recent_median(self.residuals, count)
+
+
+def _recent_median(window: deque[tuple[float, float]], count: int) -> float | None:
+    """The median of the last ``count`` samples of ``window``, None with fewer: the latest
+    ones, so a replica that just turned slow stands out after ``count // 2 + 1`` samples,
+    however many fast ones the time window holds."""
+    if len(window) < count:
+        return None
+    # From the newest end: a copy of the whole window per answer costs more than the median.
+    # statistics.median's own arithmetic, without its call overhead (once per answer).
+    samples = sorted([s for _, s in itertools.islice(reversed(window), count)])
+    middle = count // 2
+    if count % 2:
+        return samples[middle]
+    return (samples[middle - 1] + samples[middle]) / 2
 
 
 class HealthTracker:
@@ -221,10 +243,12 @@ class HealthTracker:
         latency: float | None,
         now: float,
         reason: str = "",
+        residual: bool = False,
     ) -> None:
         """One answer of ``endpoint`` (of ``pool``, whose endpoints are ``members``):
-        ``failed`` with ``reason`` (``5xx``, ``retried``), else its
-        ``latency`` in seconds when known."""
+        ``failed`` with ``reason`` (``5xx``, ``retried``), else its ``latency`` when known: in
+        seconds, or with ``residual`` as measured over expected (judged against
+        ``latency_factor`` alone, not against the pool)."""
         config = self.config
         if not config.enabled:
             return
@@ -236,7 +260,8 @@ class HealthTracker:
         if circuit is Circuit.OPEN:
             return  # answers to picks made before the ejection: already judged
         if circuit is Circuit.HALF_OPEN:
-            if not failed and latency is not None and self._slow(endpoint, latency, members, now):
+            slow = latency is not None and self._outlier(endpoint, latency, residual, members, now)
+            if not failed and slow:
                 failed, reason = True, "latency"
             if failed:
                 self._eject(health, endpoint, members, now, config, f"trial-{reason}", True)
@@ -268,10 +293,23 @@ class HealthTracker:
             return
         if latency is None:
             return
-        health.latencies.append((now, latency))
-        median = health.median_latency(config.latency_samples)
-        if median is not None and self._slow(endpoint, median, members, now):
+        if residual:
+            health.residuals.append((now, latency))
+            median = health.median_residual(config.latency_samples)
+        else:
+            health.latencies.append((now, latency))
+            median = health.median_latency(config.latency_samples)
+        if median is not None and self._outlier(endpoint, median, residual, members, now):
             self._eject(health, endpoint, members, now, config, "latency", False)
+
+    def _outlier(
+        self, endpoint: str, latency: float, residual: bool, members: Collection[str], now: float
+    ) -> bool:
+        """Whether ``latency`` is slow: a residual above ``latency_factor``, else a latency
+        slow against the pool (:meth:`_slow`)."""
+        if residual:
+            return latency > self.config.latency_factor
+        return self._slow(endpoint, latency, members, now)
 
     def _slow(self, endpoint: str, latency: float, members: Collection[str], now: float) -> bool:
         """Whether ``latency`` is an outlier against the median of the pool's other closed
@@ -315,6 +353,7 @@ class HealthTracker:
         health.consecutive = 0
         health.outcomes.clear()
         health.latencies.clear()
+        health.residuals.clear()
         EJECTIONS.labels(health.pool, endpoint, reason).inc()
         set_ejected(health.pool, endpoint, True)
         self._recent.append(Verdict(endpoint, health.pool, health.until, health.ejections, reason))
@@ -413,6 +452,7 @@ class HealthTracker:
                     health.trials_passed = 0
                     health.outcomes.clear()
                     health.latencies.clear()
+                    health.residuals.clear()
                     set_ejected(pool, endpoint, True)
             elif health.until != 0.0:
                 health.closed_at = health.until  # at least that long ago: probation starts
