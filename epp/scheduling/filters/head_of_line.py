@@ -4,10 +4,10 @@ A replica holding a popular prefix serves its requests without prefilling it, so
 affinity scorer sends them there; when a burst of them, or cold prefills of other prompts, are
 queued there, the next request waits behind all of them while another replica could prefill it
 from scratch sooner. Weighted scorers cannot see that trade: a full prefix match scores 1 however
-long the queue in front of it. This filter reads the learned latency model's predicted time to
-first token for each candidate (:data:`~epp.scheduling.scorers.latency.PREDICTED_LATENCY`: the
-uncached prompt there, the prefill queued ahead and the decode batch, at the endpoint's learned
-speeds) and drops the candidates predicted to be slower than the fastest by more than
+long the queue in front of it. This filter predicts the request's time to first token on each
+candidate by the learned latency model (:func:`~epp.scheduling.scorers.latency.predictions`:
+the uncached prompt there, the prefill queued ahead and the decode batch, at the endpoint's
+learned speeds) and drops the candidates predicted to be slower than the fastest by more than
 ``tolerance`` times its prediction plus ``slack_seconds``. The scorers then choose among the
 rest as before, so a prefix stays on its replica until that replica's wait outgrows the prefill
 a second replica would spend on it, and then the second replica (which caches it from then on)
@@ -15,7 +15,9 @@ takes the overflow: sticky until saturated.
 
 The tolerance is the price of a cold prefill for the fleet: a request moved off its prefix
 prefills again elsewhere, work every later request there waits behind, so a small predicted
-gain is not worth it. Candidates without a prediction are kept. No GIE equivalent; SGLang's
+gain is not worth it. Cached tokens are the data step's (precise beats approximate), read
+here rather than in the data step because they are derived after every producer has run; a
+profile without a prefix producer counts every prompt as uncached. No GIE equivalent; SGLang's
 cache-aware router and llm-d's prefix routing spread a hot prefix on a load imbalance
 threshold instead of on predicted time.
 """
@@ -28,7 +30,8 @@ from epp.request import InferenceRequest
 from epp.scheduling.data import Input
 from epp.scheduling.framework import Cycle, Filter, register
 from epp.scheduling.params import Params, param
-from epp.scheduling.scorers.latency import PREDICTED_LATENCY
+from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.scheduling.scorers.latency import predictions
 from epp.state.snapshot import EndpointState
 
 
@@ -48,7 +51,7 @@ class HeadOfLineFilter(Filter):
     params_type = HeadOfLineParams
     # After readiness, health, LoRA and KV headroom: the fastest is one that may serve.
     stage = 30
-    consumes = (Input(PREDICTED_LATENCY),)
+    consumes = (Input(CACHED_TOKENS, required=False),)
 
     def __init__(self, params: HeadOfLineParams = HeadOfLineParams()) -> None:
         self.tolerance = params.tolerance
@@ -57,12 +60,9 @@ class HeadOfLineFilter(Filter):
     def filter(
         self, request: InferenceRequest, candidates: list[EndpointState], cycle: Cycle
     ) -> list[EndpointState]:
-        predicted = cycle.get(PREDICTED_LATENCY) or {}
-        times = [
-            p.ttft if (p := predicted.get(c.address)) is not None else None for c in candidates
-        ]
-        known = [t for t in times if t is not None]
-        if len(known) < 2:
+        if len(candidates) < 2:
             return candidates
-        bound = min(known) * (1.0 + self.tolerance) + self.slack
-        return [c for c, t in zip(candidates, times, strict=True) if t is None or t <= bound]
+        predicted = predictions(request, candidates, cycle)
+        times = [predicted[c.address].ttft for c in candidates]
+        bound = min(times) * (1.0 + self.tolerance) + self.slack
+        return [c for c, t in zip(candidates, times, strict=True) if t <= bound]
