@@ -51,7 +51,8 @@ def test_a_replica_slower_than_its_model_is_ejected_after_a_majority_of_samples(
     for i in range(8):
         serve(health, "a", 0.055, 0.05, 1.0 + i * 0.1)
     state = health.state("a")
-    assert state is not None and state.until == 0.0
+    assert state is not None
+    assert state.until == 0.0
     serve(health, "a", 0.25, 0.05, 2.0)
     serve(health, "a", 0.25, 0.05, 2.1)
     assert state.until == 0.0
@@ -97,7 +98,8 @@ def test_latency_rule_off_takes_no_latency_sample() -> None:
     judge(health, POOLS, "a", Outcome("a", 200, 3.0, True, False), 2.0)
     state = health.state("a")
     assert state is not None
-    assert list(state.residuals) == [] and list(state.latencies) == []
+    assert list(state.residuals) == []
+    assert list(state.latencies) == []
     assert [failed for _, failed in state.outcomes] == [False, False]
 
 
@@ -106,7 +108,8 @@ def test_a_half_open_trial_slower_than_predicted_reopens_and_on_time_ones_close(
     for i in range(5):
         serve(health, "a", 1.0, 0.1, 1.0 + i * 0.1)
     state = health.state("a")
-    assert state is not None and state.circuit(1.5) is Circuit.OPEN
+    assert state is not None
+    assert state.circuit(1.5) is Circuit.OPEN
     assert health.admits("a", 2.5)
     health.picked("a", 2.5)
     serve(health, "a", 1.0, 0.1, 2.6)
