@@ -11,18 +11,18 @@ stall; the scrape-based readiness never sees it. epp sees every response on the 
   (:mod:`epp.extproc.passive_health`), and clients must not be able to eject replicas.
   ``consecutive_failures`` in a row, or an error share of at least ``error_rate`` over the
   last ``window_seconds`` with at least ``min_requests`` answers, eject the endpoint.
-- **Latency outliers**: the median latency (time to first token when streamed, the whole
-  response otherwise) of the last ``latency_samples`` samples within the window, above
-  ``latency_factor`` times the median of the pool's other endpoints (each their own median)
-  and above ``latency_floor_seconds``, ejects it. Comparing with the *others* lets a slow
-  endpoint stand out in a pool of two, and keeps the healthy half of a pool from looking slow
-  when the other half is. A streamed response's TTFT counts per ``latency_prompt_tokens``
-  prefill tokens ahead of its first token (the request's uncached prompt plus the prefill
-  queued ahead of it, as epp counted them at the pick) when there were more: a cold prefill
-  of a long prompt is slow on every replica, and so is a queue; compared raw with replicas
-  serving prefix-cache hits, the replica that had just taken on new prefix groups was an
-  "outlier", and scaled by the prompt alone, past saturation the replicas holding the popular
-  prefixes were (docs/health.md).
+- **Latency outliers**: with ``latency_rule: residual`` (the default), the median over the
+  last ``latency_samples`` streamed responses of TTFT over the latency model's prediction for
+  that request on that endpoint (made at the pick; the caller passes the ratio, see
+  :mod:`epp.hooks.passive_health`) above ``latency_factor``: a replica is slow only when it is
+  slower than its own model says, so cold prefills, queues behind popular prefixes and slower
+  GPUs, all predicted, are not outliers. Whole responses (and streamed ones with
+  ``latency_rule: pool``) are compared with the pool: the median latency of the last
+  ``latency_samples`` samples above ``latency_factor`` times the median of the pool's other
+  endpoints (each their own median) and above ``latency_floor_seconds``; comparing with the
+  *others* lets a slow endpoint stand out in a pool of two. Under ``pool`` a streamed TTFT
+  counts per ``latency_prompt_tokens`` prefill tokens ahead of its first token; every such
+  cross-pool comparison still read cache-driven spread as slowness (docs/health.md).
 
 Each endpoint is a circuit: CLOSED (serves), OPEN until its ejection time has passed, then
 HALF_OPEN: one trial request at a time may go there (:meth:`HealthTracker.admits`,
