@@ -45,8 +45,8 @@ from benchmarks.overhead import Bench, backend_config, cpu_seconds, wrk
 from epp.config import parse_config
 from epp.devstack import Proc, free_port, http_ok
 from epp.envoy_config import render
-from epp.prefix.approximate import ApproximatePrefixIndex, Insertion
-from epp.state.fleet import FleetState, approx_prefix
+from epp.prefix.approximate import ApproximatePrefixIndex, Insertion, approx_prefix
+from epp.state.fleet import FleetState
 from epp.state.registry import StateKey
 from epp.state.shared.sync import SharedState
 from tests.e2e.client import completion, metric_values
@@ -282,7 +282,7 @@ async def propagation(url: str, poll: bool, samples: int) -> list[float]:
     for i in range(samples):
         key = random.getrandbits(63)
         sent[key] = time.perf_counter()
-        sender.prefix.insert("10.0.0.1:8000", [key, i], 1000)
+        sender.states.get(approx_prefix()).insert("10.0.0.1:8000", [key, i], 1000)
         await asyncio.sleep(random.expovariate(200))
     await asyncio.sleep(1.0)  # stragglers (poll mode takes up to two intervals)
     for member in members:

@@ -60,6 +60,8 @@ class Fleet:
     sim_processes: int = 1
     # Each replica's compute speed (`epp sim --speed`); empty: all 1.0.
     speeds: tuple[float, ...] = ()
+    # Whose /metrics names and KV events the replicas speak (`epp sim --engine`).
+    engine: str = "vllm"
 
     def speed(self, replica: int) -> float:
         return self.speeds[replica] if self.speeds else 1.0
@@ -78,6 +80,8 @@ class Fleet:
         if self.lora_modules:
             args += ["--lora-modules", *(f"{n}=/adapters/{n}" for n in self.lora_modules)]
             args += ["--max-loras", str(self.max_loras)]
+        if self.engine != "vllm":
+            args += ["--engine", self.engine]
         return args
 
     @property
@@ -117,8 +121,6 @@ class FleetStack(Stack):
                 str(self.sim_base_port + first),
                 "--model",
                 self.model,
-                "--seed",
-                str(first),
                 *self.sim_args,
             ]
             if self.kv_events_base is not None:
@@ -315,7 +317,7 @@ class EppProfile(Router):
             base["tokenizer"] = str(BUNDLED_DIR)
         extra["models"] = {MODEL: base} | {n: base | {"lora": True} for n in fleet.lora_modules}
         weighted = bool(self.spec.get("speed_weights")) and bool(fleet.speeds)
-        if kv_base is not None or weighted:
+        if kv_base is not None or weighted or fleet.engine != "vllm":
             endpoints: list[dict[str, Any]] = []
             for i, address in enumerate(addresses):
                 endpoint: dict[str, Any] = {"address": address}
@@ -325,7 +327,7 @@ class EppProfile(Router):
                     # Hand-set capacity: the weight a operator would write for this hardware.
                     endpoint["weight"] = fleet.speed(i)
                 endpoints.append(endpoint)
-            extra["pools"] = {"main": {"endpoints": endpoints}}
+            extra["pools"] = {"main": {"endpoints": endpoints, "engine": fleet.engine}}
         return extra
 
     def unavailable(self) -> str | None:

@@ -83,6 +83,19 @@ COUNTERS = (
     "vllm:request_success_total",
     "vllm:num_preemptions_total",
 )
+# The same counters in SGLang's names (--engine sglang; docs/sglang.md).
+SGLANG_COUNTERS = dict(
+    zip(
+        COUNTERS,
+        (
+            "sglang:cached_tokens_total",
+            "sglang:prompt_tokens_total",
+            "sglang:num_requests_total",
+            "sglang:num_retracted_requests_total",
+        ),
+        strict=True,
+    )
+)
 
 T = TypeVar("T")
 
@@ -126,13 +139,16 @@ def plan(workload: Workload, rates: Sequence[float], duration: float, fleet: Fle
     return stages
 
 
-def replica_counters(addresses: Sequence[str]) -> dict[str, dict[str, float]]:
-    """The counters this benchmark reads from each replica's /metrics, summed over labels."""
+def replica_counters(addresses: Sequence[str], engine: str) -> dict[str, dict[str, float]]:
+    """The counters this benchmark reads from each replica's /metrics, summed over labels,
+    under their vLLM names whatever the engine."""
+    names = SGLANG_COUNTERS if engine == "sglang" else {n: n for n in COUNTERS}
     out: dict[str, dict[str, float]] = {}
     for address in addresses:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             page = resp.read().decode()
-        out[address] = sum_samples(page, COUNTERS)
+        values = sum_samples(page, names.values())
+        out[address] = {ours: values[theirs] for ours, theirs in names.items()}
     return out
 
 
@@ -243,7 +259,7 @@ def measure(
             )
         rows = []
         for stage in stages:
-            before = replica_counters(stack.replica_addresses)
+            before = replica_counters(stack.replica_addresses, fleet.engine)
             cpu_before = cpu_seconds(sim_pids), cpu_seconds(router_pids)
             wall = time.monotonic()
             load = run_stage(
@@ -263,7 +279,7 @@ def measure(
             else:
                 run = _run_async(load)
             wall = time.monotonic() - wall
-            after = replica_counters(stack.replica_addresses)
+            after = replica_counters(stack.replica_addresses, fleet.engine)
             cpu = (
                 (cpu_seconds(sim_pids) - cpu_before[0]) / wall,
                 (cpu_seconds(router_pids) - cpu_before[1]) / wall,
@@ -297,6 +313,7 @@ def make_fleet(args: argparse.Namespace, workload: Workload) -> Fleet:
         max_loras=max_loras,
         sim_processes=args.sim_processes,
         speeds=tuple(float(v) for v in args.speeds.split(",")) if args.speeds else (),
+        engine=args.engine,
     )
 
 
@@ -320,7 +337,8 @@ def machine() -> str:
 def describe(fleet: Fleet, workloads: Sequence[Workload], args: argparse.Namespace) -> list[str]:
     per_replica = (fleet.num_gpu_blocks - 1) * fleet.block_size
     lines = [
-        f"- Fleet: {fleet.replicas} simulated vLLM replicas (`epp sim {' '.join(fleet.sim_args())}`"
+        f"- Fleet: {fleet.replicas} simulated {'SGLang' if fleet.engine == 'sglang' else 'vLLM'} "
+        f"replicas (`epp sim {' '.join(fleet.sim_args())}`"
         f"): {per_replica:,} cacheable tokens each, {fleet.kv_tokens:,} in all"
         + (
             f"; compute speeds {', '.join(f'{v:g}' for v in fleet.speeds)} (`--speed`)."
@@ -442,6 +460,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sim-processes", type=int, default=2, help="simulator processes the fleet is split over"
     )
     parser.add_argument("--profile", default="h100", help="simulator hardware profile")
+    parser.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="the simulated replicas speak this engine's /metrics and KV events; epp's pool "
+        "says so (docs/sglang.md)",
+    )
     parser.add_argument(
         "--time-scale", type=float, default=3.0, help="simulator time scale (3 = 3x slower)"
     )

@@ -33,7 +33,7 @@ GAUGES = {
     "vllm:prefix_cache_queries_total": "queries",
     "vllm:prefix_cache_hits_total": "hits",
 }
-_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_SAMPLE = re.compile(r"^((?:vllm|sglang):[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
 def sum_samples(page: str, names: Iterable[str]) -> dict[str, float]:

@@ -107,7 +107,8 @@ def _rewrites(config: Config, cluster: ClusterPolicy) -> tuple[RewriteTable, lis
             continue
         if name in named:
             problems.append(f"models.{name}.rewrite: replaced by a rule from the cluster")
-        file_rules.append(Rule((name,), spec.rewrite, f"models.{name}.rewrite"))
+        origin = f"models.{name}.rewrite"
+        file_rules.append(Rule((name,), spec.rewrite, origin, spec.rewrite_sticky))
     ordered = [r for r in cluster_rules if r.models] + file_rules
     ordered += [r for r in cluster_rules if not r.models]
     return RewriteTable(ordered), problems

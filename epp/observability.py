@@ -145,7 +145,8 @@ KV_INDEX_RESETS = Counter(
     "epp_kv_index_resets_total",
     "Times an endpoint's precise prefix entries were dropped, by reason: gap (lost messages), "
     "restart (sequence went back), malformed (undecodable message), cleared (AllBlocksCleared), "
-    "overflow (more blocks than any cache holds: removes were lost).",
+    "overflow (more blocks than any cache holds: removes were lost), rank (a batch of another "
+    "data-parallel rank).",
     ["endpoint", "reason"],
 )
 KV_UNKEYED_BLOCKS = Counter(

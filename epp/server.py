@@ -3,9 +3,10 @@
 Background tasks (scraping, store sync, health, config reload) write state; the gRPC handlers
 only read it. A reload validates the new file first and keeps the old configuration if the new
 one is bad; streams in flight finish with the configuration they started with. What a reload
-applies is decided by one table, :data:`epp.config.SECTIONS`: reloadable sections take effect
-(the scrape timing included, with everything derived from the interval), restart-only ones are
-logged once and counted in ``epp_config_restart_required_total{section}``.
+applies is decided by the schema's reload policies (:data:`epp.config.SECTIONS`): restart-only
+sections are logged once and counted in ``epp_config_restart_required_total{section}``; each
+reloadable one is applied by what the server registers for it in :attr:`Server.appliers` (the
+scrape timing included, with everything derived from the interval).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from prometheus_client import REGISTRY
 from epp._proto import ext_proc_pb2_grpc
 from epp.admin import build_app
 from epp.admission.budget_sync import BudgetSync
-from epp.config import SECTIONS, Config, ConfigError, Reload, ScrapeConfig, load_config
+from epp.config import SECTIONS, Config, ConfigError, Reload, load_config
+from epp.config.appliers import Appliers
 from epp.config_advice import advice
+from epp.data_parallel import rank_changes, replica_of
 from epp.discovery import Discovery, DiscoveryOptions, KubernetesSpec
 from epp.discovery.manager import pool_specs
 from epp.discovery.pool_resources import ClusterResources
@@ -36,15 +39,16 @@ from epp.extproc.servicer import ExtProcServicer
 from epp.gc_tuning import settle_heap
 from epp.metrics.pool_gauges import PoolGauges
 from epp.observability import CONFIG_RELOADS, CONFIG_RESTART_REQUIRED
+from epp.prefix.approximate import APPROX_PREFIX
 from epp.prefix.invalidation import CacheInvalidator
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.router import Router
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.scraper import MetricsScraper
 from epp.state import StateStore
-from epp.state.fleet import APPROX_PREFIX, FleetState
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.shared.connect import hash_tag
-from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import LEASE_INTERVALS, SharedState
 from epp.tls import client_context, grpc_credentials, server_context
 from epp.tracing import Tracing
@@ -82,10 +86,9 @@ def make_store(config: Config) -> StateStore:
 
 def make_shared(config: Config, store: StateStore) -> tuple[FleetState, SharedState | None]:
     """The routing state, and with Redis what makes this process one of an active-active group."""
+    fleet = FleetState(store)
     if config.store.backend != "redis":
-        return FleetState(store), None
-    # Sessions are replicated through the table subclass that records local bindings.
-    fleet = FleetState(store, sessions=SharedSessionTable())
+        return fleet, None
     shared = SharedState(
         config.store.redis_url,
         fleet,
@@ -148,7 +151,7 @@ class Server:
             self.store.snapshot, lambda: self.router.config.pools, self.router.demand
         )
         self._invalidator = CacheInvalidator(lambda: self.fleet.states.named(APPROX_PREFIX))
-        self.kv_events = KvEventSubscriber(self.fleet.precise)
+        self.kv_events = KvEventSubscriber(self.fleet.states.get(PRECISE_INDEX))
         self.discovery = Discovery(self._endpoints_changed, discovery)
         # Rewrites and objectives from the cluster, for pools that follow an InferencePool.
         self._overrides = (discovery or DiscoveryOptions()).overrides
@@ -158,12 +161,40 @@ class Server:
         self._health_grpc: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._mtime = _mtime(config_path)
+        self.appliers = self._register_appliers()
+
+    def _register_appliers(self) -> Appliers:
+        """What applies each reloadable section on a reload, in this order."""
+        appliers = Appliers()
+        appliers.register(self._discover, ["pools.*.discovery"])
+        # The router swaps everything derived from these at once (epp.router); passive health
+        # and the scraper's targets follow in the same call. ``edge`` is carried by the running
+        # configuration only: Envoy reads it when ``epp envoy-config`` renders it again.
+        appliers.register(
+            self._use,
+            [
+                "models",
+                "pools",
+                "routing",
+                "request",
+                "admission",
+                "budgets",
+                "overflow",
+                "autoscaling",
+                "scheduling",
+                "health",
+                "edge",
+            ],
+        )
+        appliers.register(self._apply_prefix_sources, ["models.*.tokenizer", "pools.*.endpoints"])
+        appliers.register(self._apply_trust, ["pools.*.metrics_tls"])
+        appliers.register(self._apply_scrape, ["scrape"])
+        return appliers
 
     async def run(self) -> None:
         config = self.router.config
         await self.store.start()
-        self.discovery.configure(config)
-        self._follow_resources(config)
+        self._discover(config)
         config = self._use(config)
         if self.shared is not None:
             await self.shared.start()
@@ -180,7 +211,32 @@ class Server:
         await self.kv_events.start()
         if config.tracing.enabled:
             self.router.tracing = Tracing(config.tracing)
+        await self._listen(config)
+        if self._own_process:
+            # Everything above lives as long as the process: out of the collector's way.
+            settle_heap()
+        tls = config.server.tls
+        log.info(
+            "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
+            config.server.host,
+            config.server.extproc_port,
+            config.server.health_port,
+            config.server.metrics_port,
+            "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
+            len(config.models),
+            len(config.endpoint_pools()),
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
+        ticker = asyncio.create_task(self._tick())
+        await self._stopping.wait()
+        ticker.cancel()
+        await self._stop()
 
+    async def _listen(self, config: Config) -> None:
+        """Start the ext_proc, gRPC health and metrics/admin servers."""
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router), self._grpc
@@ -211,37 +267,21 @@ class Server:
         await self._grpc.start()
         await self._health_grpc.start()
         await self.health.start()
-        if self._own_process:
-            # Everything above lives as long as the process: out of the collector's way.
-            settle_heap()
-        log.info(
-            "epp serving ext_proc on %s:%d (health :%d, metrics :%d, %s), %d models, %d endpoints",
-            host,
-            config.server.extproc_port,
-            config.server.health_port,
-            config.server.metrics_port,
-            "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
-            len(config.models),
-            len(config.endpoint_pools()),
-        )
 
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stopping.set)
-        ticker = asyncio.create_task(self._tick())
-        await self._stopping.wait()
+    async def _stop(self) -> None:
+        """Drain (NOT_SERVING, then open streams finish), then stop everything started."""
         server = self.router.config.server
         log.info(
             "epp stopping: NOT_SERVING for %.1fs, then up to %.0fs for open streams",
             server.drain_seconds,
             server.shutdown_grace_seconds,
         )
-        ticker.cancel()
         await self.health.shutdown()
         await asyncio.sleep(server.drain_seconds)
-        await self._grpc.stop(grace=server.shutdown_grace_seconds)
-        await self._health_grpc.stop(grace=0)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=server.shutdown_grace_seconds)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(grace=0)
         if self._admin is not None:
             await self._admin.cleanup()
         REGISTRY.unregister(self.pool_gauges)
@@ -275,8 +315,11 @@ class Server:
 
     def _apply_prefix_sources(self, config: Config) -> None:
         """Point the precise prefix scorer's inputs (tokenizers, KV events) at ``config``."""
-        self.fleet.tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
-        self.kv_events.set_endpoints(config.kv_events)
+        tokenizers = self.fleet.states.get(TOKENIZERS)
+        tokenizers.set_models({m: spec.tokenizer for m, spec in config.models.items()})
+        self.kv_events.set_endpoints(
+            config.kv_events, {a: r.index for a, r in config.ranks.items()}
+        )
 
     def _apply_trust(self, config: Config) -> None:
         """TLS for scraping (files read on start and on every reload, so renewed certificates
@@ -304,17 +347,13 @@ class Server:
             log.error("configuration reload rejected, keeping the current one: %s", exc)
             return False
         new = self._keep_restart_only(new)
-        self.discovery.configure(new)
-        self._follow_resources(new)
-        new = self._use(new)
-        self._apply_prefix_sources(new)
-        self._apply_trust(new)
-        self._apply_scrape(new.scrape)
+        self.appliers.apply(new)
         CONFIG_RELOADS.labels("ok").inc()
+        running = self.router.config
         log.info(
             "configuration reloaded: %d models, %d endpoints",
-            len(new.models),
-            len(new.endpoint_pools()),
+            len(running.models),
+            len(running.endpoint_pools()),
         )
         return True
 
@@ -331,6 +370,12 @@ class Server:
         roles = self.discovery.roles(config)
         if roles != dict(config.roles):
             config = replace(config, roles=roles)
+        replicas = {
+            pool: tuple(dict.fromkeys(replica_of(config.ranks, a) for a in addrs))
+            for pool, addrs in pools.items()
+        }
+        if config.data_parallel or config.ranks:
+            config = replace(config, **rank_changes(config))
         self.router.config = config
         endpoints = config.endpoint_pools()
         # Overflow pools' replicas are scraped too (spillover needs to know they have room),
@@ -339,16 +384,20 @@ class Server:
         if self.shared is not None:
             self.shared.set_endpoints(scraped)
         self.scraper.set_engines(config.engines)
+        self.scraper.set_ranks({a: (r.replica, r.index) for a, r in config.ranks.items()})
         self.scraper.set_endpoints(scraped)
         self.fleet.health.configure(config.health, endpoints)
         self.fleet.latency.configure(config.weights, endpoints)
-        self.discovery.export(config.pools)
+        self.discovery.export(replicas)  # Envoy knows replicas, not their ranks
         return config
 
     def _endpoints_changed(self) -> None:
         self._use(self.router.config)
 
-    def _follow_resources(self, config: Config) -> None:
+    def _discover(self, config: Config) -> None:
+        """Start, change or stop each pool's discovery source, and follow the InferencePools'
+        objectives and rewrites."""
+        self.discovery.configure(config)
         specs = pool_specs(config, self._overrides)
         self.resources.configure(
             {pool: s for pool, s in specs.items() if isinstance(s, KubernetesSpec)}
@@ -379,9 +428,10 @@ class Server:
             kept[section] = getattr(running, section)
         return replace(new, **kept)  # type: ignore[arg-type]
 
-    def _apply_scrape(self, scrape: ScrapeConfig) -> None:
+    def _apply_scrape(self, config: Config) -> None:
         """The scrape timing and what follows the interval: the state store's refresh and the
         shared-state sync (admission's staleness is derived in the configuration itself)."""
+        scrape = config.scrape
         self.scraper.set_timing(scrape.interval, scrape.timeout, scrape.failure_threshold)
         self.store.set_refresh_interval(scrape.interval)
         if self.shared is not None:

@@ -24,8 +24,20 @@ OVERFLOW = "x-epp-overflow"
 PREFILL = "x-prefiller-host-port"
 GATEWAY_PREFILL = "x-gateway-prefill-endpoints"
 PREFILL_HEADERS = (PREFILL, GATEWAY_PREFILL)
+# The data-parallel rank a request is for (epp.data_parallel): llm-d's ``host:port+rank``, or
+# vLLM's own header with the rank's index.
+DATA_PARALLEL_HOST_PORT = "x-data-parallel-host-port"
+DATA_PARALLEL_RANK = "x-data-parallel-rank"
+DATA_PARALLEL_HEADERS = (DATA_PARALLEL_HOST_PORT, DATA_PARALLEL_RANK)
 # Headers that steer routing between gateway and epp: a client must never set them.
-CONTROL_HEADERS = (DESTINATION, SUBSET_HINT_KEY, SERVED, OVERFLOW, *PREFILL_HEADERS)
+CONTROL_HEADERS = (
+    DESTINATION,
+    SUBSET_HINT_KEY,
+    SERVED,
+    OVERFLOW,
+    *PREFILL_HEADERS,
+    *DATA_PARALLEL_HEADERS,
+)
 # Metadata key carrying every candidate's scores when explaining; Envoy echoes it to the client.
 SCORES = "x-epp-scores"
 # A caller asking for the scores proves it may see them with this header (routing.explain_token);

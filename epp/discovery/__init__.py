@@ -11,7 +11,6 @@ from epp.discovery.spec import (
     DnsSpec,
     KubernetesSpec,
     StaticSpec,
-    parse_discovery,
 )
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "DnsSpec",
     "KubernetesSpec",
     "StaticSpec",
-    "parse_discovery",
 ]

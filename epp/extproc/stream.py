@@ -35,6 +35,7 @@ from typing import Any
 
 from epp import errors
 from epp._proto import ext_proc_pb2, processing_mode_pb2
+from epp.data_parallel import replica_of, routed
 from epp.errors import RequestError
 from epp.extproc import buffered, responses
 from epp.extproc.response_stream import RESPONSE_HEADERS_READ, ResponseObserver
@@ -240,6 +241,8 @@ class StreamHandler:
         observer.on_headers(headers, _served_metadata(message))
         served = observer.served
         pick = context.pick
+        if pick is not None and served == replica_of(self._router.config.ranks, pick.endpoint):
+            served = observer.served = pick.endpoint  # a rank: Envoy names its replica
         if (
             pick is not None
             and context.spilled is None
@@ -484,19 +487,17 @@ class StreamHandler:
                 {**self._profile_attributes(), "epp.endpoints": endpoints},
             )
         ahead = ticket.basis.prefill_ahead if ticket.basis is not None else ticket.prefill
-        self.context.pick = PickRecord(
-            ticket, request.session, picked_at=self._clock(), prefill_ahead=ahead
-        )
+        self.context.pick = PickRecord(ticket, picked_at=self._clock(), prefill_ahead=ahead)
         fleet.health.picked(ticket.endpoint, time.time())  # a half-open circuit's trial
         self.context.request = request
         OBJECTIVE_REQUESTS.add((self.context.requested_label(), request.model))
-        destination = ",".join(e.address for e in decision.endpoints)
+        # Envoy knows replicas: a data-parallel rank is named in a header (epp.data_parallel).
+        destination, extra = routed(self._router.config.ranks, decision.endpoints)
         remove = _present(self.context.headers, _REMOVED)
-        extra: responses.Headers = ()
         if decision.prefill is not None:
-            # Set, not also removed: Envoy applies removals after sets.
-            extra = ((decision.prefill_header, decision.prefill.address),)
-            remove = [h for h in remove if h != decision.prefill_header]
+            extra = ((decision.prefill_header, decision.prefill.address), *extra)
+        # Set, not also removed: Envoy applies removals after sets.
+        remove = [h for h in remove if h not in dict(extra)]
         scores = None
         config = self.context.generation.config
         if decision.scores is not None and config.routing.explains_to(

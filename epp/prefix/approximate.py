@@ -19,9 +19,13 @@ whole.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
+
+from epp.prefix.hashing import BlockHasher
+from epp.state.registry import Replication, StateKey
 
 # GIE's default LRU size per endpoint when its KV capacity is unknown: 500k tokens / 16.
 DEFAULT_CAPACITY = 31_250
@@ -47,14 +51,14 @@ class Learned(NamedTuple):
     new_from: int
     owner: ApproximatePrefixIndex
 
-    def move(self, served: str) -> None:
+    def move(self, served: str, _now: float) -> None:
         """Record the insertion for ``served`` instead (a retry ended there)."""
         self.owner.retract(self)
         self.owner.insert(served, self.hashes, self.capacity)
 
 
 class ApproximatePrefixIndex:
-    """Per-endpoint LRUs of block hashes; lives in :class:`~epp.state.fleet.FleetState`."""
+    """Per-endpoint LRUs of block hashes; kept in the fleet state under :func:`approx_prefix`."""
 
     def __init__(self, recent_limit: int = RECENT_LIMIT) -> None:
         # OrderedDict as an LRU set: oldest first, move_to_end on reuse, popitem(last=False).
@@ -162,3 +166,29 @@ class ApproximatePrefixIndex:
             else:
                 high = mid
         return low
+
+
+# The approximate prefix index's state name (one instance per hashing parameter set).
+APPROX_PREFIX = "approx-prefix"
+_DEFAULT_HASHER = BlockHasher()
+
+
+@functools.cache
+def approx_prefix(hasher: BlockHasher = _DEFAULT_HASHER) -> StateKey[ApproximatePrefixIndex]:
+    """The approximate prefix index of prompts cut by ``hasher`` (the prefix scorer's state).
+
+    Keyed by what changes a block hash's meaning (``block_chars``, ``block_size``; the model and
+    adapter are in the hash itself, ``max_blocks`` only cuts the chain short). The default
+    parameters keep the pick-stream tag ``prefix`` of the releases before keyed indexes, so a
+    rolling upgrade of a group configured with them still shares its index.
+    """
+    params = (hasher.block_chars, hasher.block_size)
+    default = (_DEFAULT_HASHER.block_chars, _DEFAULT_HASHER.block_size)
+    return StateKey(
+        APPROX_PREFIX,
+        ApproximatePrefixIndex,
+        params,
+        moves=True,
+        replicated=Replication(Insertion),
+        tag="prefix" if params == default else "",
+    )

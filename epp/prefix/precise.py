@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from xxhash import xxh3_64_intdigest
 
 from epp.observability import KV_INDEX_RESETS, KV_UNKEYED_BLOCKS
+from epp.prefix.tokens import TokenizerRegistry
+from epp.state.registry import StateKey
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,8 @@ class _Block:
 
 
 class PreciseIndex:
-    """Engine blocks of every endpoint, re-keyed; lives in :class:`~epp.state.fleet.FleetState`.
+    """Engine blocks of every endpoint, re-keyed; kept in the fleet state under
+    :data:`PRECISE_INDEX`.
 
     Written by the KV-event subscriber and read by the precise prefix scorer, both on the event
     loop thread, so it takes no locks.
@@ -302,3 +305,13 @@ def _own_extras(extra: object, lora: str | None) -> list[object]:
     if isinstance(extra, list | tuple):
         return [e for e in extra if e != lora]
     return [extra]
+
+
+# The precise prefix scorer's states. Neither is keyed by a parameter: an entry's key depends on
+# the endpoint's own block size (from its events) and the tokenizer on the model's configured
+# one, neither on the scorer's. Neither moves on a retry (a speculative entry expires within
+# seconds, the engine's events tell the truth) nor replicates (every epp process subscribes to
+# every engine's events itself).
+PRECISE_INDEX = StateKey("precise-prefix", PreciseIndex)
+# The engine's tokenizer of each model, which the server points at the configured ones.
+TOKENIZERS = StateKey("tokenizers", TokenizerRegistry)

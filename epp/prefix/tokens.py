@@ -7,8 +7,8 @@ cache. vLLM tokenizes with the model's Hugging Face tokenizer:
   post-processor frames the text (a BOS for Llama-style models). Token-id prompts are used as
   they are and need no tokenizer.
 - chat (and responses): the chat template is rendered with jinja2 exactly as transformers'
-  ``apply_chat_template(add_generation_prompt=True)`` does, and the text is tokenized WITHOUT
-  special tokens (the template writes the BOS itself).
+  ``apply_chat_template(add_generation_prompt=True)`` does (:mod:`epp.prefix.chat_template`),
+  and the text is tokenized WITHOUT special tokens (the template writes the BOS itself).
 
 The template's input comes from :attr:`InferenceRequest.messages` (see
 :meth:`epp.request.ChatMessage.template_content`: text parts joined as vLLM joins them). Fields
@@ -19,7 +19,7 @@ placeholders into ids only its processor knows.
 
 Cost: the Rust tokenizer's time grows with the prompt (a long one takes tens of milliseconds),
 almost all in its pre-tokenizer regex, and ``encode`` holds the GIL (the event loop stalls for
-the whole call). Three things keep that off the request path:
+the whole call). Three things keep that off the request path (:mod:`epp.prefix.token_cache`):
 
 1. An LRU of recent texts and their ids: a repeated prompt costs a dict lookup.
 2. Prefix reuse: a new text that shares a long prefix with a cached one (the next chat turn,
@@ -43,43 +43,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
-import threading
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import datetime
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Tokenizer
 
-from epp.request import ChatMessage, InferenceRequest
+from epp.prefix.chat_template import ChatTemplate, ChatTemplateUnavailable
+from epp.prefix.token_cache import DEFAULT_CACHE_BYTES, TokenCache
+from epp.request import InferenceRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # A short stall of the event loop at most; longer uncached stretches go to the worker thread.
 DEFAULT_MAX_INLINE_CHARS = 8192
 # Chat renders kept for requests in flight between preparation and scoring.
 RENDERED_KEPT = 64
-# Spacing of restart points: reuse gives up at most this much of a shared prefix.
-RESTART_SPACING = 1024
-# A restart point used for reuse must end this far before the texts diverge: pre-tokenizer
-# regexes look ahead a character or two, never this far.
-MARGIN_CHARS = 64
-# Texts are indexed for prefix reuse under their first N characters, for these N (deepest
-# first at lookup, so a conversation finds its own previous turn before another user's turn
-# that shares only the system prompt).
-ANCHOR_LEVELS = (256, 1024, 4096, 16384, 65536, 262144)
-CANDIDATES_PER_ANCHOR = 8
-# Background tokenizations queued at most; beyond, requests go without precise scoring.
-MAX_PENDING = 16
-# A word longer than this many tokens yields no restart point (the walk back is bounded).
-_MAX_WORD_TOKENS = 64
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -92,7 +74,7 @@ _SPECIAL_TOKEN_NAMES = (
 
 
 class TokenizerRegistry:
-    """Model name -> its tokenizer; lives in :class:`~epp.state.fleet.FleetState`.
+    """Model name -> its tokenizer; in the fleet state under :data:`~epp.prefix.precise.TOKENIZERS`.
 
     Tokenizers are loaded once per directory when a configuration names them and kept across
     reloads (with their caches) while some model still names the directory.
@@ -174,10 +156,6 @@ class TokenizerRegistry:
             log.warning(message, *args)
 
 
-class ChatTemplateUnavailable(RuntimeError):
-    """The tokenizer directory has no chat template, or jinja2 is not installed."""
-
-
 class ModelTokenizer:
     """One tokenizer directory: its tokenizer, chat template, framing and token cache."""
 
@@ -250,119 +228,6 @@ class ModelTokenizer:
         raise ChatTemplateUnavailable(self._template_error)
 
 
-class ChatTemplate:
-    """A chat template rendered with transformers' ``apply_chat_template`` semantics.
-
-    Same jinja2 environment (sandboxed, ``trim_blocks``, ``lstrip_blocks``, loop controls,
-    ``{% generation %}`` blocks, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
-    non-ASCII text) and the same variables (``messages``, ``add_generation_prompt=True``, the
-    special tokens). Message content is a string, or a list of text parts when the template
-    iterates over the content, which is how vLLM's "auto" content format decides.
-    """
-
-    def __init__(self, source: str, special_tokens: Mapping[str, Any]) -> None:
-        env = _environment()
-        self._template = env.from_string(source)
-        self.content_as_parts = _iterates_over_content(env.parse(source))
-        self._variables = dict(special_tokens)
-
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        return str(
-            self._template.render(
-                messages=[
-                    {"role": m.role, "content": m.template_content(self.content_as_parts)}
-                    for m in messages
-                ],
-                tools=None,
-                documents=None,
-                add_generation_prompt=True,
-                **self._variables,
-            )
-        )
-
-
-def _environment() -> Any:
-    """transformers' chat-template environment. jinja2 is imported here, not at module load,
-    so that completions-only deployments work without it."""
-    try:
-        import jinja2
-        import jinja2.ext
-        from jinja2 import nodes
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ChatTemplateUnavailable(
-            "jinja2 is not installed: chat prompts cannot be rendered"
-        ) from None
-
-    class GenerationBlock(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}`` marks assistant text for training
-        masks in transformers; rendering is unaffected, so the block renders its body."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return str(caller())
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _iterates_over_content(ast: Any) -> bool:
-    """True if the template loops over a message's content (directly or through a variable)."""
-    from jinja2 import nodes
-
-    def is_content(node: Any) -> bool:
-        while isinstance(node, nodes.Filter | nodes.Test):
-            node = node.node
-        return (isinstance(node, nodes.Getattr) and node.attr == "content") or (
-            isinstance(node, nodes.Getitem)
-            and isinstance(node.arg, nodes.Const)
-            and node.arg.value == "content"
-        )
-
-    aliases = {
-        a.target.name
-        for a in ast.find_all(nodes.Assign)
-        if isinstance(a.target, nodes.Name) and is_content(a.node)
-    }
-    for loop in ast.find_all(nodes.For):
-        target = loop.iter
-        while isinstance(target, nodes.Filter):
-            target = target.node
-        if is_content(target) or (isinstance(target, nodes.Name) and target.name in aliases):
-            return True
-    return False
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -408,224 +273,3 @@ def _framing(tokenizer: Tokenizer) -> tuple[array[int], array[int]]:
         if framed[i : i + len(plain)] == plain:
             return array("I", framed[:i]), array("I", framed[i + len(plain) :])
     raise ValueError("the tokenizer's post-processor rewrites the text's own tokens")
-
-
-# -- the token cache -------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Entry:
-    """A tokenized text and its restart points (ascending char offsets, token indexes)."""
-
-    text: str
-    ids: array[int]
-    points_chars: array[int]
-    points_tokens: array[int]
-
-    def size(self) -> int:
-        ids, chars, tokens = self.ids, self.points_chars, self.points_tokens
-        return sys.getsizeof(self.text) + 4 * (len(ids) + len(chars) + len(tokens)) + 256
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """How to get a text's ids: cached as they are, or from ``base`` up to restart point
-    ``cut`` then tokenizing from that point's character ``start``."""
-
-    ids: array[int] | None = None
-    base: _Entry | None = None
-    cut: int = 0
-    start: int = 0
-
-
-class TokenCache:
-    """Text -> token ids (no special tokens), with prefix reuse; safe across threads."""
-
-    def __init__(self, tokenizer: Tokenizer, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        self.tokenizer = tokenizer
-        self.max_bytes = max_bytes
-        self.reuse = True
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        # (level, hash of the text's first `level` chars) -> texts, most recent last.
-        self._anchors: dict[tuple[int, int], list[str]] = {}
-        self._bytes = 0
-        # Text -> its background tokenization, for callers that would rather wait for it.
-        self._pending: dict[str, Future[None]] = {}
-        self._lock = threading.Lock()
-
-    def encode(
-        self, text: str, max_inline_chars: int, executor: ThreadPoolExecutor
-    ) -> array[int] | None:
-        """Ids of ``text`` now if cached or cheap enough, else None (and tokenize it later)."""
-        plan = self.plan(text)
-        if plan.ids is not None:
-            return plan.ids
-        if len(text) - plan.start <= max_inline_chars:
-            return self.complete(text, plan)
-        with self._lock:
-            if text in self._pending or len(self._pending) >= MAX_PENDING:
-                return None
-            self._pending[text] = executor.submit(self._complete_later, text)
-        return None
-
-    def pending(self, text: str) -> Future[None] | None:
-        """The background tokenization of ``text``, if one is queued or running."""
-        with self._lock:
-            return self._pending.get(text)
-
-    def plan(self, text: str) -> _Plan:
-        with self._lock:
-            entry = self._entries.get(text)
-            if entry is not None:
-                self._entries.move_to_end(text)
-                return _Plan(ids=entry.ids)
-            if not self.reuse:
-                return _Plan()
-            base, shared = self._longest_shared_prefix(text)
-            if base is None:
-                return _Plan()
-            # The restart point before the last one inside the shared prefix: the stretch
-            # between the two is what verifies that tokenizing from the first is exact.
-            cut = bisect_right(base.points_chars, shared - MARGIN_CHARS) - 2
-            if cut < 0:
-                return _Plan()
-            return _Plan(base=base, cut=cut, start=base.points_chars[cut])
-
-    def complete(self, text: str, plan: _Plan) -> array[int]:
-        """Tokenize what ``plan`` leaves to do and cache the result. Releases the GIL."""
-        base = plan.base
-        if base is None:
-            encoding = self._encode(text)
-            ids = array("I", encoding.ids)
-            chars, tokens = _restart_points(encoding, len(text), 0, 0)
-        else:
-            k = base.points_tokens[plan.cut]
-            encoding = self._encode(text[plan.start :])
-            suffix = encoding.ids
-            if not self._verified(base, plan, encoding):
-                return self.complete(text, _Plan())
-            ids = base.ids[:k] + array("I", suffix)
-            chars, tokens = _restart_points(encoding, len(text) - plan.start, plan.start, k)
-            chars = base.points_chars[: plan.cut + 1] + chars
-            tokens = base.points_tokens[: plan.cut + 1] + tokens
-        self._insert(_Entry(text, ids, chars, tokens))
-        return ids
-
-    def _encode(self, text: str) -> Encoding:
-        # encode_batch releases the GIL (encode does not), so a worker thread does not stall
-        # the event loop.
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
-
-    def _verified(self, base: _Entry, plan: _Plan, suffix: Encoding) -> bool:
-        start, k = base.points_chars[plan.cut], base.points_tokens[plan.cut]
-        end, k_end = base.points_chars[plan.cut + 1], base.points_tokens[plan.cut + 1]
-        same = (
-            suffix.ids[: k_end - k] == base.ids[k:k_end].tolist()
-            and suffix.char_to_token(end - start) == k_end - k
-        )
-        if not same and self.reuse:
-            self.reuse = False
-            log.warning(
-                "tokenizing from a word boundary does not reproduce whole-text tokens for "
-                "this tokenizer; prefix reuse is off for it (long prompts cost more)"
-            )
-        return same
-
-    def _complete_later(self, text: str) -> None:
-        try:
-            self.complete(text, self.plan(text))
-        except Exception:
-            log.exception("background tokenization failed")
-        finally:
-            with self._lock:
-                self._pending.pop(text, None)
-
-    def _longest_shared_prefix(self, text: str) -> tuple[_Entry | None, int]:
-        for level in reversed(ANCHOR_LEVELS):
-            if level > len(text):
-                continue
-            candidates = self._anchors.get((level, hash(text[:level])))
-            if not candidates:
-                continue
-            best, shared = None, 0
-            for candidate in candidates:
-                n = _common_prefix(text, candidate)
-                if n > shared:
-                    best, shared = candidate, n
-            return (self._entries[best], shared) if best is not None else (None, 0)
-        return None, 0
-
-    def _insert(self, entry: _Entry) -> None:
-        size = entry.size()
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            if entry.text in self._entries:
-                return
-            self._entries[entry.text] = entry
-            self._bytes += size
-            for level in ANCHOR_LEVELS:
-                if level > len(entry.text):
-                    break
-                texts = self._anchors.setdefault((level, hash(entry.text[:level])), [])
-                texts.append(entry.text)
-                if len(texts) > CANDIDATES_PER_ANCHOR:
-                    del texts[0]
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.size()
-                self._unanchor(old.text)
-
-    def _unanchor(self, text: str) -> None:
-        for level in ANCHOR_LEVELS:
-            if level > len(text):
-                break
-            key = (level, hash(text[:level]))
-            texts = self._anchors.get(key)
-            if texts is None:
-                continue
-            # Texts are compared by identity: an equal text inserted again is another entry.
-            texts[:] = [t for t in texts if t is not text]
-            if not texts:
-                del self._anchors[key]
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the common prefix, by binary search over slice comparisons (memcmp speed)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _restart_points(
-    encoding: Encoding, length: int, char_base: int, token_base: int
-) -> tuple[array[int], array[int]]:
-    """Token starts that begin a word, about every ``RESTART_SPACING`` characters."""
-    chars, tokens = array("I"), array("I")
-    for position in range(RESTART_SPACING, length, RESTART_SPACING):
-        k = encoding.char_to_token(position)
-        if k is None:
-            continue
-        word = encoding.token_to_word(k)
-        if word is None:
-            continue
-        first = k
-        while first > 0 and k - first < _MAX_WORD_TOKENS:
-            if encoding.token_to_word(first - 1) != word:
-                break
-            first -= 1
-        if first > 0 and encoding.token_to_word(first - 1) == word:
-            continue  # a very long word: no restart point in it
-        span = encoding.token_to_chars(first)
-        if span is None or (chars and span[0] + char_base <= chars[-1]):
-            continue
-        chars.append(span[0] + char_base)
-        tokens.append(first + token_base)
-    return chars, tokens

@@ -10,7 +10,8 @@ The choice is sticky when the request has a session key: a hash of the model and
 point in the rule's cumulative weights, so every request of a conversation lands on the same
 target while the weights hold, and when they change only the sessions whose point changed
 ranges move (moving weight from the first target to the last moves sessions one way only).
-Without a key each request draws at random. Neither keeps any state per client value.
+Without a key, or under a rule that is not ``sticky``, each request draws at random. Neither
+keeps any state per client value.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Rule:
     # Where the rule comes from, for explanations ("models.chat.rewrite",
     # "InferenceModelRewrite default/canary rules[0]").
     origin: str
+    # Place a request by its session key (False: every request draws, session or not).
+    sticky: bool = True
 
     def __post_init__(self) -> None:
         if not self.targets or any(t.weight < 1 for t in self.targets):
@@ -118,10 +121,11 @@ class RewriteTable:
         rule = self.rule_for(model)
         if rule is None:
             return None
-        point = draw() if session is None else session_point(model, session)
+        sticky = session is not None and rule.sticky
+        point = session_point(model, session) if sticky and session is not None else draw()
         target = rule.pick(point)
         requested = model if rule.models else ANY_MODEL
-        return Rewrite(requested, target.model, rule.origin, session is not None)
+        return Rewrite(requested, target.model, rule.origin, sticky)
 
 
 def session_point(model: str, session: str) -> float:
@@ -164,5 +168,5 @@ def usable(rules: Sequence[Rule], served: Collection[str]) -> tuple[list[Rule], 
                     "with pools; left out"
                 )
         if targets:
-            kept.append(Rule(rule.models, targets, rule.origin))
+            kept.append(Rule(rule.models, targets, rule.origin, rule.sticky))
     return kept, problems

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from epp.data_parallel import MAX_RANKS
 from epp.sim.engine import EngineConfig
 from epp.sim.kv_transfer import DEFAULT_BANDWIDTH, KVTransferConfig
 from epp.sim.profiles import PROFILES
@@ -68,12 +69,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument(
         "--kv-events-endpoint",
-        help="ZMQ PUB bind address, e.g. tcp://*:5557 (replica i binds port + i)",
+        help="ZMQ PUB bind address, e.g. tcp://*:5557 (replica i binds port + i, times "
+        "--data-parallel-size)",
     )
     p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines per replica, each its own rank (docs/data-parallel.md); rank r of a "
+        "replica publishes KV events at its endpoint's port + r",
+    )
     p.add_argument("--tokenizer", type=Path, default=BUNDLED_DIR, help="HF tokenizer directory")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="seed of the error_rate fault's draws")
     p.add_argument(
         "--kv-connector",
         choices=["nixl", "shared-storage"],
@@ -152,24 +160,28 @@ def build_configs(args: argparse.Namespace) -> list[ReplicaConfig]:
         transfer = KVTransferConfig(
             args.kv_connector, args.kv_shared_dir, args.kv_transfer_bandwidth
         )
+    if not 1 <= args.data_parallel_size <= MAX_RANKS:
+        raise SystemExit(f"--data-parallel-size must be in 1..{MAX_RANKS}")
     base = args.base_port if args.base_port is not None else args.port
     speeds = parse_speeds(args.speed, args.replicas)
     return [
         ReplicaConfig(
             host=args.host,
-            port=base + i,
+            # Spaced by the rank count: rank r of a replica is named (and publishes KV
+            # events) at its ports plus r, as vLLM and llm-d number them.
+            port=base + i * args.data_parallel_size,
             model=args.model,
             engine=replace(engine, speed=speeds[i]),
             lora_modules=loras,
-            kv_events_endpoint=shift_port(args.kv_events_endpoint, i)
+            kv_events_endpoint=shift_port(args.kv_events_endpoint, i * args.data_parallel_size)
             if args.kv_events_endpoint
             else None,
             kv_events_topic=args.kv_events_topic,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             crash_exits_process=args.replicas == 1,
-            seed=args.seed + i,
             kv_transfer=transfer,
             speaks=args.engine,
+            data_parallel_size=args.data_parallel_size,
         )
         for i in range(args.replicas)
     ]

@@ -153,12 +153,20 @@ class Histogram(_Family[HistogramChild]):
 
 
 class Registry:
-    """The families of one replica's page, in registration order."""
+    """The families of one replica's page, in registration order.
+
+    Adding a family whose name is already registered returns the registered one: the engines
+    of a data-parallel replica share one page, each family listing every engine's series."""
 
     def __init__(self) -> None:
         self.families: list[_Family[Any]] = []
+        self._names: dict[str, _Family[Any]] = {}
 
     def add(self, family: F) -> F:
+        known = self._names.get(family.name)
+        if known is not None:
+            return cast(F, known)
+        self._names[family.name] = family
         self.families.append(family)
         return family
 

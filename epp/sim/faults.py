@@ -1,8 +1,13 @@
-"""Injected faults of one replica (POST/GET /admin/faults)."""
+"""Injected faults of one replica (POST/GET /admin/faults).
+
+``error_rate`` fails an evenly spread share of requests, not a random draw: with 0.5 every second
+request fails, with 0.2 every fifth. A test then knows exactly what a replica does while its
+fault lasts (at 0.5 it never answers two requests in a row, so a circuit that needs several
+successful trials cannot close), whatever the machine's speed does to the order of arrivals.
+"""
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,11 +23,12 @@ class Faults:
     latency_ms: float = 0.0
     error_rate: float = 0.0
     hang: bool = False
-    rng: random.Random = field(default_factory=random.Random, repr=False)
+    # Requests seen since error_rate was last set: where the evenly spread failures fall.
+    seen: int = field(default=0, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["rng"]
+        del d["seen"]
         return d
 
     def update(self, body: dict[str, Any]) -> None:
@@ -48,6 +54,8 @@ class Faults:
             raise APIError(400, "'error_rate' must be within 0..1", "error_rate")
         if "hang" in body:
             new["hang"] = body["hang"]
+        if new["error_rate"] != self.error_rate:
+            self.seen = 0
         self.latency_ms, self.error_rate, self.hang = (
             new["latency_ms"],
             new["error_rate"],
@@ -55,4 +63,7 @@ class Faults:
         )
 
     def should_fail(self) -> bool:
-        return self.error_rate > 0 and self.rng.random() < self.error_rate
+        """Whether this request fails: the n-th fails when n * rate crosses an integer."""
+        n = self.seen
+        self.seen += 1
+        return int((n + 1) * self.error_rate) > int(n * self.error_rate)

@@ -30,9 +30,16 @@ class KVEventPublisher:
     """Collects cache events (the BlockPool's listener) and publishes them in batches."""
 
     def __init__(
-        self, endpoint: str, topic: str, block_size: int, lora_ids: dict[str, int]
+        self,
+        endpoint: str,
+        topic: str,
+        block_size: int,
+        lora_ids: dict[str, int],
+        rank: int = 0,
     ) -> None:
         self.endpoint = endpoint
+        # The data-parallel rank each batch names (its publisher binds the port plus the rank).
+        self.rank = rank
         self.topic = topic.encode()
         self.block_size = block_size
         self.lora_ids = lora_ids
@@ -101,7 +108,7 @@ class KVEventPublisher:
 
     def encode_batch(self) -> list[bytes]:
         """Take the pending events as one 3-frame message."""
-        payload = msgpack.packb([time.time(), self.pending, 0])
+        payload = msgpack.packb([time.time(), self.pending, self.rank])
         self.pending = []
         frames = [self.topic, self.seq.to_bytes(8, "big"), payload]
         self.seq += 1

@@ -8,7 +8,7 @@ wall-clock seconds as observed by clients, i.e. already shrunk by --time-scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from epp.sim.engine import Engine
 from epp.sim.exposition import (
@@ -55,11 +55,18 @@ class EngineMetrics:
     """Implements the engine's observer interface and renders /metrics."""
 
     def __init__(
-        self, model_name: str, cache_info: dict[str, str], max_loras: int, max_model_len: int
+        self,
+        model_name: str,
+        cache_info: dict[str, str],
+        max_loras: int,
+        max_model_len: int,
+        registry: Registry | None = None,
+        rank: int = 0,
     ) -> None:
-        self.registry = r = Registry()
+        # The engines of a data-parallel server share one page, each labelled engine="rank".
+        self.registry = r = Registry() if registry is None else registry
         self.max_loras = max_loras
-        labels = {"engine": "0", "model_name": model_name}
+        labels = {"engine": str(rank), "model_name": model_name}
 
         def gauge(name: str, doc: str) -> GaugeChild:
             return r.add(Gauge(name, doc)).labels(**labels)
@@ -116,6 +123,23 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
+        self._request_histograms(histogram, max_model_len)
+        info_labels = {**cache_info, "engine": str(rank)}
+        r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
+            **info_labels
+        ).set(1)
+        # No engine/model_name labels, as in vLLM.
+        self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
+        self._seen_prefix = (0, 0)
+        self._seen_external = (0, 0)
+        self._seen_preemptions = 0
+
+    def _request_histograms(
+        self,
+        histogram: Callable[[str, str, Sequence[float]], HistogramChild],
+        max_model_len: int,
+    ) -> None:
+        """Each request's latencies, phase times and token counts, in vLLM's buckets."""
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -161,15 +185,6 @@ class EngineMetrics:
             "Number of generation tokens processed.",
             token_buckets(max_model_len),
         )
-        info_labels = {**cache_info, "engine": "0"}
-        r.add(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")).labels(
-            **info_labels
-        ).set(1)
-        # No engine/model_name labels, as in vLLM.
-        self.lora_info = r.add(Gauge("vllm:lora_requests_info", "Running stats on lora requests."))
-        self._seen_prefix = (0, 0)
-        self._seen_external = (0, 0)
-        self._seen_preemptions = 0
 
     def on_step(self, engine: Engine, batch: Batch | None) -> None:
         self.refresh(engine)
@@ -230,8 +245,3 @@ class EngineMetrics:
         self.decode_time.observe(req.finish_time - req.first_token_time)
         self.request_prompt_tokens.observe(req.num_prompt_tokens)
         self.request_generation_tokens.observe(len(req.output_token_ids))
-
-    def render(self, engine: Engine) -> bytes:
-        # Refreshed at scrape time too, so a paused engine still shows its growing queue.
-        self.refresh(engine)
-        return self.registry.render()

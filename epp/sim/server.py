@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from epp.sim.protocol import (
 )
 from epp.sim.replica import Replica
 from epp.sim.request import SimRequest, Status
+from epp.wire import DATA_PARALLEL_HOST_PORT, DATA_PARALLEL_RANK
 
 REPLICA = web.AppKey("replica", Replica)
 # Header names counted for GET /admin/headers: inference routes only, at most this many names
@@ -35,6 +37,8 @@ REPLICA = web.AppKey("replica", Replica)
 _COUNTED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 MAX_HEADER_NAMES = 256
 SEEN_HEADERS = web.AppKey("seen_headers", Counter[str])
+# The data-parallel rank that served a request, sent back as ``x-served-rank``.
+SERVED_RANK = web.RequestKey("served_rank", int)
 DEFAULT_MAX_TOKENS = 16
 # Prompts at least this long get their block hashes computed off the event loop.
 OFFLOAD_HASH_TOKENS = 8192
@@ -85,6 +89,21 @@ async def api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return response
     except APIError as e:
         return _json(e.body(), e.status)
+
+
+def _rank(replica: Replica, headers: Mapping[str, str]) -> int | None:
+    """The data-parallel rank a request names: vLLM's ``x-data-parallel-rank``, or llm-d's
+    ``x-data-parallel-host-port`` (the replica's port plus the rank); None: the server picks."""
+    size = len(replica.engines)
+    named = headers.get(DATA_PARALLEL_RANK)
+    if named is None and (host_port := headers.get(DATA_PARALLEL_HOST_PORT)) is not None:
+        port = host_port.rpartition(":")[2]
+        named = str(int(port) - replica.config.port) if port.isdigit() else host_port
+    if named is None:
+        return None
+    if not named.isdigit() or int(named) >= size:
+        raise APIError(400, f"data parallel rank {named!r} is not in 0..{size - 1}")
+    return int(named)
 
 
 def _resolve_model(replica: Replica, model: str) -> str | None:
@@ -148,7 +167,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     await _apply_faults(replica)
 
     shape = ResponseShape.new(chat, params.model)
-    engine = replica.engine
+    rank = _rank(replica, request.headers)
+    engine = replica.engine_for(rank)
+    request[SERVED_RANK] = replica.engines.index(engine)
     arrival = engine.clock()
     overhead = engine.config.profile.request_overhead_s * engine.config.time_scale
     if overhead:
@@ -342,7 +363,7 @@ async def version(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     replica = _replica(request)
     return web.Response(
-        body=replica.metrics.render(replica.engine), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        body=replica.render_metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
 
 
@@ -358,7 +379,7 @@ def _server_info(replica: Replica) -> dict[str, Any]:
         "tokenizer_path": path,
         "served_model_name": cfg.model,
         "is_generation": True,
-        "dp_size": 1,
+        "dp_size": cfg.data_parallel_size,
         "version": SIM_VERSION,
         "max_total_num_tokens": cfg.engine.num_gpu_blocks * cfg.engine.block_size,
         "max_running_requests": cfg.engine.max_num_seqs,
@@ -386,12 +407,13 @@ async def post_faults(request: web.Request) -> web.Response:
     replica = _replica(request)
     body = await _body(request)
     replica.faults.update(body)
-    if replica.faults.hang:
-        replica.engine.pause()
-    else:
-        replica.engine.resume()
-    if body.get("clear_cache"):
-        replica.engine.kv.pool.reset(force=True)
+    for engine in replica.engines:
+        if replica.faults.hang:
+            engine.pause()
+        else:
+            engine.resume()
+        if body.get("clear_cache"):
+            engine.kv.pool.reset(force=True)
     if body.get("crash"):
         # Answer first so the caller is not left guessing, then die.
         asyncio.get_running_loop().call_later(0.05, replica.crash)
@@ -401,10 +423,13 @@ async def post_faults(request: web.Request) -> web.Response:
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's dev-mode route: `{"success": false}` while blocks are in use, unless
     `?reset_running_requests=true`, which preempts the running requests first."""
-    engine = _replica(request).engine
-    if request.query.get("reset_running_requests", "").lower() == "true":
-        engine.scheduler.preempt_all()
-    return _json({"success": engine.kv.pool.reset()})
+    preempt = request.query.get("reset_running_requests", "").lower() == "true"
+    success = True
+    for engine in _replica(request).engines:
+        if preempt:
+            engine.scheduler.preempt_all()
+        success = engine.kv.pool.reset() and success
+    return _json({"success": success})
 
 
 def make_app(replica: Replica) -> web.Application:
@@ -415,6 +440,8 @@ def make_app(replica: Replica) -> web.Application:
 
     async def add_served_by(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-served-by"] = served_by
+        if SERVED_RANK in request:
+            response.headers["x-served-rank"] = str(request[SERVED_RANK])
 
     app.on_response_prepare.append(add_served_by)
     app.router.add_post("/v1/completions", completions)

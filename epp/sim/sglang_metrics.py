@@ -32,8 +32,15 @@ ITL_BUCKETS = [
 class SGLangMetrics:
     """Implements the engine's observer interface and renders /metrics in SGLang's names."""
 
-    def __init__(self, model_name: str, max_total_num_tokens: int) -> None:
-        self.registry = r = Registry()
+    def __init__(
+        self,
+        model_name: str,
+        max_total_num_tokens: int,
+        registry: Registry | None = None,
+        dp_rank: int | None = None,
+    ) -> None:
+        # The schedulers of a data-parallel server share one page; each adds its dp_rank.
+        self.registry = r = Registry() if registry is None else registry
         # One unified (not disaggregated) scheduler on one rank.
         ranks = {
             "model_name": model_name,
@@ -42,6 +49,8 @@ class SGLangMetrics:
             "pp_rank": "0",
             "moe_ep_rank": "0",
         }
+        if dp_rank is not None:
+            ranks["dp_rank"] = str(dp_rank)
         model = {"model_name": model_name}
         self.running = r.add(
             Gauge("sglang:num_running_reqs", "The number of running requests.")
@@ -127,8 +136,3 @@ class SGLangMetrics:
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.cached_tokens.inc(req.num_cached_tokens or 0)
         self.e2e.observe(req.finish_time - req.arrival_time)
-
-    def render(self, engine: Engine) -> bytes:
-        # Refreshed at scrape time too, so a paused engine still shows its growing queue.
-        self.refresh(engine)
-        return self.registry.render()

@@ -118,6 +118,8 @@ class EventBatch:
     seq: int
     ts: float
     events: list[Event]
+    # The data-parallel rank the batch says it comes from (None: the engine names none).
+    rank: int | None = None
 
 
 def decode_message(frames: Sequence[bytes]) -> EventBatch:
@@ -134,14 +136,18 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
         raise MalformedMessage(f"payload is not msgpack: {exc}") from None
     if isinstance(payload, dict):
         ts, raw_events = payload.get("ts"), payload.get("events")
+        rank = payload.get("data_parallel_rank")
     elif isinstance(payload, list) and len(payload) >= 2:
         ts, raw_events = payload[0], payload[1]
+        rank = payload[2] if len(payload) > 2 else None
     else:
         raise MalformedMessage(f"payload is not an event batch: {type(payload).__name__}")
     if not isinstance(ts, int | float) or not isinstance(raw_events, list):
         raise MalformedMessage("event batch needs a numeric ts and a list of events")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise MalformedMessage(f"data_parallel_rank must be an integer or null, got {rank!r:.40}")
     events = [e for e in map(decode_event, raw_events) if e is not None]
-    return EventBatch(seq, float(ts), events)
+    return EventBatch(seq, float(ts), events, rank)
 
 
 def decode_event(raw: Any) -> Event | None:
@@ -221,6 +227,9 @@ class _Stream:
 
     endpoint: str
     address: str
+    # The data-parallel rank this endpoint is (epp.data_parallel): batches naming another rank
+    # describe another engine's cache and are not applied.
+    rank: int | None = None
     last_seq: int | None = None
     warned: set[str] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
@@ -240,16 +249,21 @@ class KvEventSubscriber:
         self.topic = topic.encode()
         self._context = context
         self._wanted: dict[str, str] = {}
+        self._ranks: Mapping[str, int] = {}
         self._streams: dict[str, _Stream] = {}
         self._started = False
 
-    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
-        """Subscribe to exactly ``endpoints`` (endpoint address -> ZMQ address) from now on.
+    def set_endpoints(
+        self, endpoints: Mapping[str, str], ranks: Mapping[str, int] | None = None
+    ) -> None:
+        """Subscribe to exactly ``endpoints`` (endpoint address -> ZMQ address) from now on;
+        ``ranks``: the data-parallel rank of the endpoints that are one.
 
         Before :meth:`start` this only records the list. An endpoint removed, or whose ZMQ
-        address changed, loses its entries (they describe another publisher's cache).
+        address or rank changed, loses its entries (they describe another publisher's cache).
         """
         self._wanted = dict(endpoints)
+        self._ranks = dict(ranks or {})
         if self._started:
             self._reconcile()
 
@@ -269,13 +283,19 @@ class KvEventSubscriber:
         """Apply one multipart message from ``endpoint``'s publisher. Never raises."""
         stream = self._streams.get(endpoint)
         if stream is None:
-            stream = self._streams[endpoint] = _Stream(endpoint, "")
+            stream = self._streams[endpoint] = _Stream(endpoint, "", self._ranks.get(endpoint))
         KV_EVENT_BATCHES.labels(endpoint).inc()
         try:
             batch = decode_message(frames)
         except MalformedMessage as exc:
             self._reset(stream, "malformed", str(exc))
             stream.last_seq = None  # whatever comes next cannot be checked against this one
+            return
+        if stream.rank is not None and batch.rank is not None and batch.rank != stream.rank:
+            # A publisher of another rank at this address (a misconfigured port): its blocks
+            # are not this rank's cache.
+            self._reset(stream, "rank", f"batch of rank {batch.rank}, expected {stream.rank}")
+            stream.last_seq = None
             return
         last = stream.last_seq
         if last is not None and batch.seq <= last:
@@ -327,7 +347,10 @@ class KvEventSubscriber:
 
     def _reconcile(self) -> None:
         for endpoint, stream in list(self._streams.items()):
-            if self._wanted.get(endpoint) != stream.address:
+            if (
+                self._wanted.get(endpoint) != stream.address
+                or self._ranks.get(endpoint) != stream.rank
+            ):
                 if stream.task is not None:
                     stream.task.cancel()
                 del self._streams[endpoint]
@@ -335,7 +358,9 @@ class KvEventSubscriber:
                 _forget_series(endpoint)
         for endpoint, address in self._wanted.items():
             if endpoint not in self._streams:
-                stream = self._streams[endpoint] = _Stream(endpoint, address)
+                stream = self._streams[endpoint] = _Stream(
+                    endpoint, address, self._ranks.get(endpoint)
+                )
                 stream.task = asyncio.create_task(
                     self._run(stream), name=f"epp-kv-events-{endpoint}"
                 )
@@ -370,5 +395,5 @@ def _forget_series(endpoint: str) -> None:
     KV_EVENT_BATCHES.remove(endpoint)
     KV_INDEX_BLOCKS.remove(endpoint)
     KV_UNKEYED_BLOCKS.remove(endpoint)
-    for reason in ("gap", "restart", "malformed", "cleared", "overflow"):
+    for reason in ("gap", "restart", "malformed", "cleared", "overflow", "rank"):
         KV_INDEX_RESETS.remove(endpoint, reason)

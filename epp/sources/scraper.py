@@ -31,6 +31,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from epp.observability import (
     ENDPOINT_METRICS_AGE,
@@ -46,8 +47,14 @@ from epp.state.store import StateStore
 
 log = logging.getLogger(__name__)
 
-# Reads one engine's /metrics page; raises ValueError for a page that is not that engine's.
-Parser = Callable[[str], EndpointMetrics]
+
+class Parser(Protocol):
+    """Reads one engine's /metrics page (only one data-parallel rank's series if ``rank`` is
+    given); raises ValueError for a page that is not that engine's."""
+
+    def __call__(self, text: str, rank: int | None = None) -> EndpointMetrics: ...
+
+
 PARSERS: Mapping[str, Parser] = {"vllm": parse_vllm_metrics, "sglang": parse_sglang_metrics}
 
 # Each period is interval * U(1 - JITTER, 1 + JITTER): endpoints start at random phases and keep
@@ -61,6 +68,9 @@ class _Endpoint:
 
     address: str
     pool: str
+    # A data-parallel rank's endpoint reads its replica's page, only its rank's series.
+    replica: str = ""
+    rank: int | None = None
     ready: bool = False
     failures: int = 0
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
@@ -71,7 +81,7 @@ class _Endpoint:
     connection: MetricsConnection = field(init=False)
 
     def __post_init__(self) -> None:
-        self.connection = MetricsConnection(self.address)
+        self.connection = MetricsConnection(self.replica or self.address)
 
 
 class MetricsScraper:
@@ -96,6 +106,7 @@ class MetricsScraper:
         self.set_timing(interval, timeout, failure_threshold)
         self._owns = owns or (lambda _address: True)
         self._wanted: dict[str, str] = {}
+        self._ranks: dict[str, tuple[str, int]] = {}
         self._tls: dict[str, tuple[ssl.SSLContext, str | None]] = {}
         self._parsers: dict[str, Parser] = {}
         self._endpoints: dict[str, _Endpoint] = {}
@@ -132,6 +143,12 @@ class MetricsScraper:
         if self._started:
             self._reconcile()
 
+    def set_ranks(self, ranks: Mapping[str, tuple[str, int]]) -> None:
+        """Endpoints that are data-parallel ranks: address -> (replica whose page to read, rank).
+        Applies to endpoints added by the next :meth:`set_endpoints`; an endpoint whose rank
+        changed is replaced then."""
+        self._ranks = dict(ranks)
+
     def set_tls(self, pools: Mapping[str, tuple[ssl.SSLContext, str | None]]) -> None:
         """Scrape the replicas of these pools over https with (context, server name to verify,
         default the endpoint's IP); every other pool over http. Applies from the next scrape."""
@@ -163,7 +180,11 @@ class MetricsScraper:
         self._started = False
 
     def _reconcile(self) -> None:
-        removed = [e for a, e in self._endpoints.items() if a not in self._wanted]
+        removed = [
+            e
+            for a, e in self._endpoints.items()
+            if a not in self._wanted or (e.replica, e.rank) != self._ranks.get(a, ("", None))
+        ]
         for endpoint in removed:
             del self._endpoints[endpoint.address]
             if endpoint.task is not None:
@@ -172,7 +193,7 @@ class MetricsScraper:
         for address, pool in self._wanted.items():
             known = self._endpoints.get(address)
             if known is None:
-                added = _Endpoint(address, pool)
+                added = _Endpoint(address, pool, *self._ranks.get(address, ("", None)))
                 self._endpoints[address] = added
                 added.task = asyncio.create_task(self._run(added), name=f"epp-scrape-{address}")
             elif known.pool != pool:
@@ -235,7 +256,7 @@ class MetricsScraper:
                 page = await endpoint.connection.fetch(self._tls.get(endpoint.pool))
             if page != endpoint.page:
                 parse = self._parsers.get(endpoint.pool, parse_vllm_metrics)
-                metrics = parse(page.decode("utf-8", "replace"))
+                metrics = parse(page.decode("utf-8", "replace"), endpoint.rank)
                 endpoint.page = page
             else:
                 metrics = endpoint.metrics

@@ -70,22 +70,28 @@ _SAMPLE = re.compile(
 )
 
 
-def parse_sglang_metrics(text: str) -> EndpointMetrics:
-    """Extract what the picker needs from one SGLang ``/metrics`` page.
+def parse_sglang_metrics(text: str, rank: int | None = None) -> EndpointMetrics:
+    """Extract what the picker needs from one SGLang ``/metrics`` page, or only from the
+    scheduler series of ``dp_rank`` ``rank`` (:mod:`epp.data_parallel`). The tokenizer's
+    counters are the whole server's and name no rank: a rank reports no prefix-cache counts.
 
     Raises :class:`ValueError` if the page has neither ``sglang:num_running_reqs`` nor
-    ``sglang:num_queue_reqs``.
+    ``sglang:num_queue_reqs`` (of that rank).
     """
+    wanted = None if rank is None else str(rank)
     # name -> dp_rank -> the largest value over that rank's series.
     ranked: dict[str, dict[str, float]] = {}
     sums: dict[str, float] = {}
     for name, label_text, value in finite_samples(_SAMPLE, text):
         if name in _SUMMED:
-            sums[name] = sums.get(name, 0.0) + value
+            if wanted is None:
+                sums[name] = sums.get(name, 0.0) + value
+            continue
+        dp_rank = _dp_rank(label_text)
+        if wanted is not None and dp_rank != wanted:
             continue
         ranks = ranked.setdefault(name, {})
-        rank = _dp_rank(label_text)
-        ranks[rank] = max(ranks.get(rank, value), value)
+        ranks[dp_rank] = max(ranks.get(dp_rank, value), value)
 
     if _RUNNING not in ranked and _QUEUE not in ranked:
         raise ValueError("not an SGLang metrics page: no sglang:num_running_reqs/num_queue_reqs")

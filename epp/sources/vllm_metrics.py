@@ -18,6 +18,9 @@ Rules, following vLLM's exposition:
   with the same values, so the newer name wins whenever it is present and they are never added.
 - ``vllm:lora_requests_info`` carries its data in labels and a timestamp as its value; label sets
   of the past stay on the page, so per engine only the series with the largest value counts.
+- ``rank``: only the series of that engine (a data-parallel rank scheduled as an endpoint of
+  its own, :mod:`epp.data_parallel`), plus those without an ``engine`` label (process-wide);
+  a page without that engine's request-queue series raises :class:`ValueError`.
 - Unparsable lines and non-finite values are skipped; a metric that is absent keeps the
   :class:`EndpointMetrics` default. A page without any request-queue series is not a vLLM page
   (an HTML error page, a proxy's answer, an empty body) and raises :class:`ValueError`, so the
@@ -75,12 +78,13 @@ _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 
 
-def parse_vllm_metrics(text: str) -> EndpointMetrics:
-    """Extract what the picker needs from one ``/metrics`` page.
+def parse_vllm_metrics(text: str, rank: int | None = None) -> EndpointMetrics:
+    """Extract what the picker needs from one ``/metrics`` page, or from ``rank``'s series.
 
     Raises :class:`ValueError` if the page has neither ``vllm:num_requests_running`` nor
-    ``vllm:num_requests_waiting``.
+    ``vllm:num_requests_waiting`` (of that engine).
     """
+    wanted = None if rank is None else str(rank)
     sums: dict[str, float] = {}
     kv_usage: dict[str, float] = {}
     # Per engine label value: (block_size, num_gpu_blocks) and (timestamp, lora info).
@@ -88,6 +92,8 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
     lora: dict[str, tuple[float, _LoraInfo]] = {}
 
     for name, label_text, value in finite_samples(_SAMPLE, text):
+        if wanted is not None and _engine(label_text) not in (wanted, ""):
+            continue
         if name in _SUMMED:
             sums[name] = sums.get(name, 0.0) + value
         elif name in (_KV_USAGE, _KV_USAGE_OLD):
@@ -101,7 +107,10 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
                 lora[info.engine] = (value, info)
 
     if _RUNNING not in sums and _WAITING not in sums:
-        raise ValueError("not a vLLM metrics page: no vllm:num_requests_running/waiting series")
+        raise ValueError(
+            "not a vLLM metrics page: no vllm:num_requests_running/waiting series"
+            + ("" if wanted is None else f' of engine="{wanted}"')
+        )
 
     usage = kv_usage.get(_KV_USAGE, kv_usage.get(_KV_USAGE_OLD, 0.0))
     block_sizes = [b for b, _ in cache_config.values() if b is not None]
@@ -133,6 +142,12 @@ class _LoraInfo(NamedTuple):
 # The two info series repeat the same label text on every scrape (cache_config_info's is ~1 KB,
 # the dearest part of a page to parse), so their parses are memoized; vLLM itself keeps every
 # label set it ever published, so the number of distinct texts is small.
+@functools.lru_cache(maxsize=1024)
+def _engine(label_text: str) -> str:
+    # The rank filter reads every sample's labels; a page repeats the same few label texts.
+    return parse_labels(label_text).get("engine", "")
+
+
 @functools.lru_cache(maxsize=1024)
 def _cache_config(label_text: str) -> tuple[str, int | None, int | None]:
     labels = parse_labels(label_text)

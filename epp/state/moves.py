@@ -2,13 +2,14 @@
 
 Envoy retries a failed attempt on epp's next fallback, so the endpoint that answers can differ
 from the one epp picked. Everything the pick recorded for the picked endpoint then describes a
-request it never ran: the in-flight ticket, the session binding, and what the plugins' journaled
-states recorded (the prefix blocks the approximate index now believes it caches; any state
-declared with ``moves=True``, see :mod:`epp.state.registry`). The stream handler records the
-pick (:class:`Recording` around the post-pick hooks) and, once the response names the endpoint
-that served, calls :func:`move_pick`. Scorer-private estimates (the TTFT scorer's
-prefill backlog, the precise index's speculative entries) are not moved: they expire by
-themselves within seconds.
+request it never ran: the in-flight ticket (the core's) and what the plugins' states declared
+with ``moves=True`` recorded (:mod:`epp.state.registry`: the prefix blocks the approximate
+index now believes the endpoint caches, the session binding). The stream handler records the
+pick (:class:`Recording` around the post-pick hooks: every moving state notes its entries) and,
+once the response names the endpoint that served, calls :func:`move_pick`, which asks each
+noted entry to move itself; no table is named here. States declared without ``moves`` stay
+where the pick put them: the TTFT scorer's prefill backlog and the precise index's speculative
+entries are estimates that expire by themselves within seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class PickRecord:
     """One pick's footprint in the fleet state."""
 
     ticket: Ticket
-    session: str | None = None
     learned: list[Footprint] = field(default_factory=list)
     # When the pick was made (the stream's clock), and the requests decoding on the endpoint
     # when its first token arrived (the latency model's decode batch).
@@ -78,8 +78,6 @@ def move_pick(fleet: FleetState, record: PickRecord, served: str, now: float) ->
             learned.append(item)
             continue
         with Recording(fleet.states) as journal:
-            item.move(served)
+            item.move(served, now)
         learned.extend(journal)
-    if record.session is not None:
-        fleet.sessions.move(record.session, source, served, now)
-    return PickRecord(ticket, record.session, learned, record.picked_at, record.decoding)
+    return PickRecord(ticket, learned, record.picked_at, record.decoding)

@@ -29,12 +29,13 @@ T = TypeVar("T")
 
 class Footprint(Protocol):
     """One entry a pick recorded for ``endpoint``; ``move`` records it for ``served`` instead
-    (while a :class:`~epp.state.moves.Recording` is open, so that the moved entry is noted)."""
+    as of wall time ``now`` (while a :class:`~epp.state.moves.Recording` is open, so that the
+    moved entry is noted)."""
 
     @property
     def endpoint(self) -> str: ...
 
-    def move(self, served: str) -> None: ...
+    def move(self, served: str, now: float) -> None: ...
 
 
 class Journaled(Protocol):

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from conftest import RealVllm
 
-from epp.prefix.precise import chain_keys, root_key
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS, chain_keys, root_key
 from epp.request import RequestPolicy, parse_request
 from epp.scheduling import Cycle
 from epp.scheduling.scorers.precise_prefix import PrecisePrefixCacheScorer
@@ -44,15 +44,15 @@ async def fleet(real_vllm: RealVllm) -> AsyncIterator[FleetState]:
     models = {real_vllm.model: str(BUNDLED_DIR)}
     if real_vllm.lora_name:
         models[real_vllm.lora_name] = str(BUNDLED_DIR)
-    fleet.tokenizers.set_models(models)
-    subscriber = KvEventSubscriber(fleet.precise, topic=real_vllm.kv_topic)
+    fleet.states.get(TOKENIZERS).set_models(models)
+    subscriber = KvEventSubscriber(fleet.states.get(PRECISE_INDEX), topic=real_vllm.kv_topic)
     subscriber.set_endpoints({ENDPOINT: real_vllm.kv_events_endpoint})
     await subscriber.start()
     try:
         async with aiohttp.ClientSession() as session:
             # ZMQ slow joiner: resend a one-block prompt until its event arrives.
             deadline = time.monotonic() + 20
-            while fleet.precise.block_count(ENDPOINT) == 0:
+            while fleet.states.get(PRECISE_INDEX).block_count(ENDPOINT) == 0:
                 assert time.monotonic() < deadline, "no KV events from vLLM"
                 seed = time.time_ns() % 1000
                 prompt = [5 + (seed + i * 7) % 4000 for i in range(real_vllm.block_size)]
@@ -89,12 +89,12 @@ async def test_real_engine_blocks_match_our_keys(
     body.update(max_tokens=1, temperature=0)
     request = parse_request(path, {}, json.dumps(body).encode(), RequestPolicy())
     request.lora = lora
-    tokens = fleet.tokenizers.token_ids(request)
+    tokens = fleet.states.get(TOKENIZERS).token_ids(request)
     assert tokens is not None
     size = real_vllm.block_size
     keys = chain_keys(tokens, size, root_key(lora))
     assert len(keys) >= 4
-    index = fleet.precise
+    index = fleet.states.get(PRECISE_INDEX)
     assert index.match(keys, [ENDPOINT], time.time()) == {ENDPOINT: 0}
 
     async with aiohttp.ClientSession() as session:

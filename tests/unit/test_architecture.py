@@ -1,7 +1,7 @@
 """No import cycles between epp's packages.
 
 Each first-level package (``epp.state``, ``epp.sources``, ...) and each top-level module
-(``epp.request``, ``epp.config``, ...) is one unit. An import anywhere in a unit's files (module
+(``epp.config``, ``epp.router``, ...) is one unit. An import anywhere in a unit's files (module
 level, inside a function, or under ``TYPE_CHECKING``: all are design dependencies) is an edge.
 A cycle means neither side can be understood, tested or replaced without the other.
 """

@@ -9,7 +9,7 @@ import pytest
 
 from epp.config import ConfigError, parse_config
 from epp.discovery.dns import DnsSource
-from epp.discovery.spec import DnsSpec, parse_discovery
+from epp.discovery.spec import DnsSpec
 from tests.helpers.dns_server import DnsServer
 
 INTERVAL = 0.2
@@ -150,6 +150,14 @@ def test_config_accepts_the_agreed_shape() -> None:
     )
 
 
+def parse_discovery(discovery: dict[str, object]) -> object:
+    """The spec a pool's ``discovery`` mapping gives."""
+    config = parse_config(
+        {"models": {"m": {"pools": ["p"]}}, "pools": {"p": {"discovery": discovery}}}
+    )
+    return config.discovery["p"]
+
+
 @pytest.mark.parametrize(
     ("pool", "message"),
     [
@@ -158,10 +166,13 @@ def test_config_accepts_the_agreed_shape() -> None:
             "pools.main: must give either endpoints or discovery",
         ),
         ({"discovery": {}}, "pools.main.discovery: must name exactly one source"),
-        ({"discovery": {"dns": {"name": "a"}}}, "dns.port: must be a port"),
+        ({"discovery": {"dns": {"name": "a"}}}, "dns.port: must be set"),
         ({"discovery": {"dns": {"name": "a", "port": 1, "interval": 0}}}, "dns.interval"),
         ({"discovery": {"dns": {"name": "a", "port": 1, "resolver": "x"}}}, "dns.resolver"),
-        ({"discovery": {"dns": {"name": "a", "port": 1, "ttl": 3}}}, "dns.ttl: unknown key"),
+        (
+            {"discovery": {"dns": {"name": "a", "port": 1, "ttl": 3}}},
+            "dns.ttl: must be one of the known keys",
+        ),
         ({"discovery": {"dns": {"name": "a", "port": 1, "role": "x"}}}, "dns.role: must be one"),
         (
             {"endpoints": [{"address": "127.0.0.1:1", "role": "prefil"}]},

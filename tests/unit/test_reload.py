@@ -24,9 +24,11 @@ from redis.asyncio import Redis
 
 from epp import errors
 from epp.config import SECTIONS, load_config
+from epp.prefix.approximate import approx_prefix
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle
-from epp.scheduling.scorers.ttft import TtftScorer
+from epp.scheduling.scorers.session import SESSIONS
+from epp.scheduling.scorers.ttft import PREFILL_BACKLOG, TtftScorer
 from epp.server import Server
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
@@ -104,8 +106,11 @@ async def test_reload_keeps_learned_state_and_applies_a_new_scrape_interval(
     await eventually(lambda: server.store.snapshot().ready_count() == 1, what="first scrape")
     assert route(server, "s1") == address
     fleet = server.fleet
-    learned = (fleet.prefix.size(address), fleet.sessions.get("s1", time.time()))
-    backlog = fleet.prefill.get(address)
+    learned = (
+        fleet.states.get(approx_prefix()).size(address),
+        fleet.states.get(SESSIONS).get("s1", time.time()),
+    )
+    backlog = fleet.states.get(PREFILL_BACKLOG).get(address)
     assert learned[0] > 0
     assert learned[1] == address
     assert backlog is not None
@@ -115,8 +120,11 @@ async def test_reload_keeps_learned_state_and_applies_a_new_scrape_interval(
     write(path, replica, prefix, SLOW)
     assert await server.reload()
     assert server.router.generation.profile is not old_profile
-    assert (fleet.prefix.size(address), fleet.sessions.get("s1", time.time())) == learned
-    assert fleet.prefill.get(address) == backlog
+    assert (
+        fleet.states.get(approx_prefix()).size(address),
+        fleet.states.get(SESSIONS).get("s1", time.time()),
+    ) == learned
+    assert fleet.states.get(PREFILL_BACKLOG).get(address) == backlog
     (ttft,) = [s for s, _ in server.router.generation.profile.scorers if isinstance(s, TtftScorer)]
     assert ttft.backlog(address, Cycle(server.store.snapshot(), fleet, now=backlog[1])) > 0
     assert server.scraper.timing[0] == SLOW
@@ -155,7 +163,7 @@ async def test_reload_keeps_learned_state_and_applies_a_new_scrape_interval(
         except errors.RequestError as exc:  # pragma: no cover - the failure being tested
             pytest.fail(f"sheddable request refused after the reload: {exc}")
         await asyncio.sleep(0.01)  # requests keep arriving while the scraper runs
-    assert fleet.sessions.get("s1", time.time()) == address
+    assert fleet.states.get(SESSIONS).get("s1", time.time()) == address
 
 
 async def test_a_restart_only_change_is_reported_once_and_not_applied(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import epp.request as request_module
+import epp.request.decode as decode_module
 from epp.errors import RequestError
 from epp.request import (
     TEXT_PART_SEPARATOR,
@@ -361,9 +361,9 @@ def test_the_fast_decode_answers_only_as_the_strict_one_does(
     pairs: list[tuple[str, object]], colon: str, u0022: bool
 ) -> None:
     body = _write(("object", pairs), colon, u0022).encode()
-    fast = request_module._decode_fast(body)
+    fast = decode_module._decode_fast(body)
     if fast is not None:
-        assert fast == request_module._decode_strict(body)
+        assert fast == decode_module._decode_strict(body)
     keys = [k for k, _ in pairs]
     if len(set(keys)) < len(keys):
         assert fast is None  # a duplicate is never accepted
@@ -371,4 +371,4 @@ def test_the_fast_decode_answers_only_as_the_strict_one_does(
 
 def test_the_fast_decode_takes_ordinary_bodies() -> None:
     body = b'{"model": "m", "messages": [{"role": "user", "content": "say \\"hi\\": now"}]}'
-    assert request_module._decode_fast(body) == json.loads(body)
+    assert decode_module._decode_fast(body) == json.loads(body)

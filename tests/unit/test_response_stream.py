@@ -14,8 +14,9 @@ from epp.extproc.response_stream import ResponseObserver
 from epp.extproc.responses import CONTINUE_RESPONSE_BODY
 from epp.extproc.stream import StreamHandler
 from epp.lifecycle import Usage
-from epp.prefix.approximate import ApproximatePrefixIndex
+from epp.prefix.approximate import ApproximatePrefixIndex, approx_prefix
 from epp.request import session_key
+from epp.scheduling.scorers.session import SESSIONS
 from epp.state.fleet import FleetState
 from epp.state.latency import Basis
 from epp.state.moves import PickRecord, Recording, move_pick
@@ -139,7 +140,9 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     handler.handle(body_msg(body))
     picked = handler.ticket.endpoint if handler.ticket else None
     assert picked == B  # 8001 has the longer queue
-    fleet.sessions.bind(session_key(b"s1"), B, time.time(), 600)  # as a session scorer would have
+    handler.settle()  # as the servicer does once the answer is out: the post-pick hooks run
+    sessions = fleet.states.get(SESSIONS)
+    assert sessions.get(session_key(b"s1"), time.time()) == B  # the session scorer bound it
     assert fleet.inflight.load(B).requests == 1
     moved_before = _sample("epp_requests_moved_total")
     tokens_before = _sample("epp_tokens_total", model="tiny", objective="", kind="completion")
@@ -148,7 +151,7 @@ async def test_retry_moves_the_accounting_and_metrics_follow_the_served_endpoint
     now[0] = 100.05
     handler.handle(_response_headers({**SSE_HEADERS, SERVED: A}))
     assert (fleet.inflight.load(A).requests, fleet.inflight.load(B).requests) == (1, 0)
-    assert fleet.sessions.get(session_key(b"s1"), time.time()) == A
+    assert sessions.get(session_key(b"s1"), time.time()) == A
     assert _sample("epp_requests_moved_total") == moved_before + 1
     now[0] = 100.2
     assert handler.handle(_response_body(ROLE + token("x"))) == (CONTINUE_RESPONSE_BODY,)
@@ -202,11 +205,11 @@ async def test_full_duplex_response_is_echoed() -> None:
 
 def test_prefix_insertion_moves_only_what_the_pick_added() -> None:
     fleet = FleetState()
-    index = fleet.prefix
+    index = fleet.states.get(approx_prefix())
     index.insert(A, [1, 2], 100)  # A already cached the head of the chain
     with Recording(fleet.states) as learned:
         index.insert(A, [1, 2, 3, 4], 100)  # the pick's insertion
-    record = PickRecord(fleet.inflight.add(A, 10), None, learned)
+    record = PickRecord(fleet.inflight.add(A, 10), learned)
     moved = move_pick(fleet, record, B, 0.0)
     assert index.match([1, 2, 3, 4], [A, B]) == {A: 2, B: 4}
     assert moved.endpoint == B

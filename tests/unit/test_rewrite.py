@@ -50,6 +50,27 @@ def test_sessions_split_by_weight_and_each_stays_on_one_target() -> None:
     assert abs(len(moved) / REQUESTS - 0.40) <= 0.03
 
 
+def test_a_rule_that_is_not_sticky_draws_per_request_within_a_session() -> None:
+    config = parse_config(
+        {
+            "models": {
+                "chat": {"rewrite": [{"model": "v1", "weight": 90}, {"model": "v2", "weight": 10}],
+                         "rewrite_sticky": False},
+                "v1": {"pools": ["p"]},
+                "v2": {"pools": ["p"]},
+            },
+            "pools": {"p": {"endpoints": ["127.0.0.1:8000"]}},
+        }
+    )  # fmt: skip
+    table = Generation.build(config).rewrites
+    draw = random.Random(3).random
+    picks = [table.choose("chat", "one-session", draw) for _ in range(REQUESTS)]
+    counts = Counter(p.target for p in picks if p is not None)
+    # One conversation's turns split 90/10 like unrelated requests, and say they were not sticky.
+    assert abs(counts["v2"] / REQUESTS - 0.10) <= 0.02, counts
+    assert not any(p is not None and p.sticky for p in picks)
+
+
 def test_the_session_point_is_a_pure_function_of_model_and_key() -> None:
     assert session_point("chat", "abc") == session_point("chat", "abc")
     assert session_point("chat", "abc") != session_point("other", "abc")

@@ -10,6 +10,7 @@ import grpc
 from epp._proto import ext_proc_pb2, ext_proc_pb2_grpc
 from epp.config import parse_config
 from epp.extproc.servicer import ExtProcServicer
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.prefix.tokens import TokenizerRegistry
 from epp.request import InferenceRequest
 from epp.sim.tokenization import BUNDLED_DIR
@@ -49,7 +50,7 @@ async def _route_once() -> None:
             "scheduling": PROFILE,
         }
     )
-    router.fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    router.fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR)})
     rng = random.Random(1)
     prompt = " ".join(rng.choice(("alpha", "beta", "gamma")) for _ in range(4000))
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4}).encode()
@@ -62,7 +63,9 @@ async def _route_once() -> None:
     ids = reference.token_ids(request, max_inline_chars=10**9)
     assert ids is not None
     hashes = [hash(("8001", i)) & (2**64 - 1) for i in range(8)]
-    router.fleet.precise.stored("127.0.0.1:8001", hashes, None, tuple(ids[: 8 * 16]), 16)
+    router.fleet.states.get(PRECISE_INDEX).stored(
+        "127.0.0.1:8001", hashes, None, tuple(ids[: 8 * 16]), 16
+    )
 
     server = grpc.aio.server()
     ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router), server)

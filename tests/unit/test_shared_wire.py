@@ -17,14 +17,15 @@ from redis.asyncio import Redis
 
 from epp.admission.budget_sync import BudgetSync
 from epp.admission.budgets import BUCKETS, BudgetPolicy, Budgets, Charge, Limits
+from epp.prefix.approximate import approx_prefix
 from epp.request import session_key
-from epp.state.fleet import FleetState, approx_prefix
+from epp.scheduling.scorers.session import SESSIONS
+from epp.state.fleet import FleetState
 from epp.state.latency import LatencyModel
 from epp.state.redis_store import RedisStore
 from epp.state.shared import loads, queues, wire
 from epp.state.shared.connect import hash_tag
 from epp.state.shared.keys import Keys
-from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import SharedState
 from epp.state.snapshot import EndpointState
 from tests.unit.conftest import SHARED_URL, eventually
@@ -137,9 +138,9 @@ def store_payload(state: EndpointState) -> str:
 
 
 async def test_pick_entries(prefix: str, redis: Redis) -> None:
-    fleet = FleetState(sessions=SharedSessionTable())
-    # Declared before the stream is read, as a profile with the prefix scorer does.
-    fleet.states.get(approx_prefix())
+    fleet = FleetState()
+    # Declared before the stream is read, as a profile with these scorers does.
+    index, sessions = fleet.states.get(approx_prefix()), fleet.states.get(SESSIONS)
     # The verdicts' pool, so a remote ejection has room under the ejection cap.
     fleet.health.configure(fleet.health.config, {e: "pool" for e in (E1, E2, E3, E4, E5)})
     member = SharedState(SHARED_URL, fleet, key_prefix=prefix, interval=0.02)
@@ -163,16 +164,16 @@ async def test_pick_entries(prefix: str, redis: Redis) -> None:
         await redis.xadd(Keys(hash_tag(prefix)).picks, {"d": entry})
     await member.start()
     try:
-        await eventually(lambda: fleet.prefix.match([9], [E5])[E5] == 1, what="the v0 entry")
-        assert fleet.prefix.match([7, 8], [E4])[E4] == 2
-        assert fleet.prefix.match([1], [E1])[E1] == 0
+        await eventually(lambda: index.match([9], [E5])[E5] == 1, what="the v0 entry")
+        assert index.match([7, 8], [E4])[E4] == 2
+        assert index.match([1], [E1])[E1] == 0
         health = fleet.health.state(E2)
         ceiling = time.time() + fleet.health.config.max_ejection_seconds + wire.SKEW
         assert health is not None
         assert 0 < health.until <= ceiling
         assert fleet.health.state(E3) is None
-        assert fleet.sessions.get(session, time.time()) == E3  # kept, with its expiry clamped
-        assert fleet.sessions.get(session, time.time() + 2 * 86_400) is None
+        assert sessions.get(session, time.time()) == E3  # kept, with its expiry clamped
+        assert sessions.get(session, time.time() + 2 * 86_400) is None
         assert member._task is not None
         assert not member._task.done()
     finally:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from typing import Any, NamedTuple
+
 from epp.config import Config, parse_config
+from epp.prefix.approximate import APPROX_PREFIX, approx_prefix
 from epp.prefix.hashing import BlockHasher
+from epp.prefix.precise import PRECISE_INDEX, chain_keys, root_key
 from epp.request import InferenceRequest
 from epp.router import Router
+from epp.scheduling.scorers.no_hit_lru import COLD_PICKS
 from epp.scheduling.scorers.prefix import PrefixCacheScorer, PrefixParams
-from epp.state import EndpointState
-from epp.state.fleet import APPROX_PREFIX, FleetState, approx_prefix
+from epp.scheduling.scorers.session import SESSIONS
+from epp.scheduling.scorers.ttft import PREFILL_BACKLOG
+from epp.state import EndpointMetrics, EndpointState
+from epp.state.fleet import FleetState
 from epp.state.memory import MemoryStore
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.state.registry import StateKey, States
@@ -59,7 +68,7 @@ def test_scorers_with_other_block_sizes_never_see_each_others_entries() -> None:
     small.on_pick(prompt, EPS[0], c)
     # The small-block scorer's pick taught its own index only.
     assert fleet.states.get(approx_prefix(BlockHasher(block_chars=32))).size(A) == 8
-    assert fleet.prefix.size(A) == 0
+    assert fleet.states.get(approx_prefix()).size(A) == 0
     assert scored(default, prompt, EPS, cycle(fleet)) == [0.0, 0.0]
     assert scored(small, prompt, EPS, cycle(fleet)) == [1.0, 0.0]
     assert len(fleet.states.named(APPROX_PREFIX)) == 2
@@ -75,12 +84,13 @@ def test_applying_a_profile_declares_its_states_before_any_request() -> None:
 def test_a_retry_moves_what_every_journaled_state_recorded() -> None:
     fleet = FleetState()
     # Both declared, as applying a configuration does, before the pick is recorded.
-    default, small = fleet.prefix, fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
+    default = fleet.states.get(approx_prefix())
+    small = fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
     with Recording(fleet.states) as learned:
         default.insert(A, [1, 2], 100)
         small.insert(A, [7, 8, 9], 100)
     assert [(item.endpoint, item.hashes) for item in learned] == [(A, [1, 2]), (A, [7, 8, 9])]
-    record = PickRecord(fleet.inflight.add(A, 10), None, learned)
+    record = PickRecord(fleet.inflight.add(A, 10), learned)
     moved = move_pick(fleet, record, B, 0.0)
     assert default.match([1, 2], [A, B]) == {A: 0, B: 2}
     assert small.match([7, 8, 9], [A, B]) == {A: 0, B: 3}
@@ -90,7 +100,19 @@ def test_a_retry_moves_what_every_journaled_state_recorded() -> None:
     assert all(s.journal is None for s in fleet.states.journaled)
 
 
+# Every scorer that keeps a state, besides the prefix scorer whose block size a test changes.
+STATEFUL = (
+    "session-affinity-scorer",
+    "ttft-scorer",
+    "no-hit-lru-scorer",
+    "precise-prefix-cache-scorer",
+)
+BLOCK = 16
+IDS = tuple(range(1, 4 * BLOCK + 1))  # four blocks of token ids, for both prefix indexes
+
+
 def _config(block_chars: int) -> Config:
+    prefix = {"plugin": "prefix-cache-scorer", "parameters": {"block_chars": block_chars}}
     return parse_config(
         {
             "models": {"tiny": {"pools": ["main"]}},
@@ -99,10 +121,8 @@ def _config(block_chars: int) -> Config:
                 "profile": "p",
                 "profiles": {
                     "p": [
-                        {
-                            "plugin": "prefix-cache-scorer",
-                            "parameters": {"block_chars": block_chars},
-                        },
+                        prefix,
+                        *({"plugin": p} for p in STATEFUL),
                         {"plugin": "max-score-picker"},
                     ]
                 },
@@ -111,26 +131,116 @@ def _config(block_chars: int) -> Config:
     )
 
 
-def _request(prompt: str) -> InferenceRequest:
-    return InferenceRequest("id", "/v1/completions", "completions", "tiny", prompt)
-
-
-async def test_a_reload_that_changes_the_block_size_starts_another_index() -> None:
+async def _router(block_chars: int) -> Router:
     store = MemoryStore()
     for address in (A, B):
-        await store.put_endpoint(EndpointState(address, "main", True, scraped_at=1.0))
-    router = Router(_config(64), FleetState(store))
-    prompt = text("p", 64 * 4)
-    decision, _ = router.route(
-        InferenceRequest("1", "/v1/completions", "completions", "tiny", prompt)
+        metrics = EndpointMetrics(block_size=BLOCK)
+        await store.put_endpoint(EndpointState(address, "main", True, metrics, scraped_at=1.0))
+    return Router(_config(block_chars), FleetState(store))
+
+
+def _request(prompt: str = "", session: str | None = None) -> InferenceRequest:
+    ids = None if prompt else IDS
+    return InferenceRequest(
+        "id",
+        "/v1/completions",
+        "completions",
+        "tiny",
+        prompt,
+        prompt_token_ids=ids,
+        session=session,
     )
+
+
+async def test_a_reload_keeps_every_state_and_a_changed_key_starts_a_fresh_one() -> None:
+    router = await _router(64)
+    states = router.fleet.states
+    prompt = text("p", 64 * 4)
+    decision, _ = router.route(_request(prompt, session="s"))
     picked = decision.endpoints[0].address
-    assert router.fleet.prefix.size(picked) == 4
+    default = states.get(approx_prefix())
+    sessions, backlog = states.get(SESSIONS), states.get(PREFILL_BACKLOG)
+    learned = (default.size(picked), sessions.get("s", time.time()), backlog.get(picked))
+    assert learned[:2] == (4, picked)
+    assert learned[2] is not None
+
+    # The same file again: new plugin instances, the same states with their content.
+    profile = router.generation.profile
+    router.config = _config(64)
+    assert router.generation.profile is not profile
+    assert (states.get(SESSIONS), states.get(PREFILL_BACKLOG)) == (sessions, backlog)
+    assert (default.size(picked), sessions.get("s", time.time()), backlog.get(picked)) == learned
+
+    # Another block size keys another index: declared by the reload, empty, so nothing learned
+    # under 64-byte blocks is matched by it; the unkeyed states are the same instances.
     router.config = _config(32)
-    small = router.fleet.states.get(approx_prefix(BlockHasher(block_chars=32)))
-    # Declared by the reload, empty: nothing learned under 64-byte blocks is matched by it.
+    small = states.get(approx_prefix(BlockHasher(block_chars=32)))
     assert small.size(picked) == 0
-    assert len(router.fleet.states.named(APPROX_PREFIX)) == 2
+    assert len(states.named(APPROX_PREFIX)) == 2
+    assert (states.get(SESSIONS), states.get(PREFILL_BACKLOG)) == (sessions, backlog)
+    assert (sessions.get("s", time.time()), backlog.get(picked)) == learned[1:]
     router.route(_request(prompt))
     assert sum(small.size(e) for e in (A, B)) == 8
-    assert router.fleet.prefix.size(picked) == 4  # kept, untouched
+    assert default.size(picked) == 4  # kept, untouched
+
+
+class _Mark(NamedTuple):
+    """A footprint of :class:`_Marks`: one mark of ``endpoint``."""
+
+    endpoint: str
+    owner: _Marks
+
+    def move(self, served: str, _now: float) -> None:
+        self.owner.counts[self.endpoint] -= 1
+        self.owner.mark(served)
+
+
+class _Marks:
+    """A state of the test's own, journaling each mark like a state that moves."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.journal: list[Any] | None = None
+
+    def mark(self, endpoint: str) -> None:
+        self.counts[endpoint] += 1
+        if self.journal is not None:
+            self.journal.append(_Mark(endpoint, self))
+
+
+MOVING = StateKey("test-moving", _Marks, moves=True)
+STAYING = StateKey("test-staying", _Marks)  # journal-shaped, but not declared to move
+
+
+async def test_a_retry_moves_every_state_declared_to_move_and_no_other() -> None:
+    router = await _router(64)
+    fleet, states = router.fleet, router.fleet.states
+    moving, staying = states.get(MOVING), states.get(STAYING)
+    moves = [states.get(k) for k in (approx_prefix(), SESSIONS, MOVING)]
+    assert sorted(map(id, states.journaled)) == sorted(map(id, moves))
+    with Recording(states) as learned:
+        decision, ticket = router.route(_request(session="s"))
+        picked = decision.endpoints[0].address
+        moving.mark(picked)
+        staying.mark(picked)
+    served = B if picked == A else A
+    backlog = states.get(PREFILL_BACKLOG).get(picked)
+    keys = chain_keys(IDS, BLOCK, root_key(None))
+    precise = states.get(PRECISE_INDEX)
+    assert precise.match(keys, [picked, served], time.time()) == {picked: 4, served: 0}
+
+    moved = move_pick(fleet, PickRecord(ticket, learned), served, time.time())
+
+    index = states.get(approx_prefix())
+    assert (index.size(picked), index.size(served)) == (0, 4)
+    assert states.get(SESSIONS).get("s", time.time()) == served
+    assert +moving.counts == {served: 1}
+    assert {item.endpoint for item in moved.learned} == {served}
+    # The states not declared to move stay where the pick put them.
+    assert staying.counts == {picked: 1}
+    assert staying.journal is None
+    assert states.get(PREFILL_BACKLOG).get(picked) == backlog
+    assert states.get(PREFILL_BACKLOG).get(served) is None
+    assert states.get(COLD_PICKS).ranks([picked, served]) == [1, 0]
+    assert precise.match(keys, [picked, served], time.time()) == {picked: 4, served: 0}
+    assert fleet.inflight.load(served).requests == 1

@@ -11,6 +11,7 @@ from epp.config import parse_config
 from epp.extproc import responses
 from epp.extproc.responses import MAX_CHUNK
 from epp.extproc.stream import StreamHandler
+from epp.prefix.approximate import approx_prefix
 from epp.router import Router
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
@@ -272,11 +273,11 @@ async def test_post_pick_bookkeeping_waits_for_settle() -> None:
     (answer,) = handler.handle(body_msg(body))
     picked, _ = destination(answer, "request_body")
     endpoint = picked.split(",")[0]
-    assert router.fleet.prefix.size(endpoint) == 0
+    assert router.fleet.states.get(approx_prefix()).size(endpoint) == 0
     assert handler.context.pick is not None
     assert handler.context.pick.learned == []
     handler.settle()
-    assert router.fleet.prefix.size(endpoint) > 0
+    assert router.fleet.states.get(approx_prefix()).size(endpoint) > 0
     assert [item.endpoint for item in handler.context.pick.learned] == [endpoint]
     handler.settle()  # idempotent
     assert len(handler.context.pick.learned) == 1

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from epp.devstack import free_port
+from epp.prefix.approximate import approx_prefix
 from epp.request import session_key
-from epp.state.fleet import FleetState, approx_prefix
+from epp.scheduling.scorers.session import SESSIONS
+from epp.state.fleet import FleetState
 from epp.state.redis_store import RedisStore
 from epp.state.shared.connect import connect, hash_tag
-from epp.state.shared.sessions import SharedSessionTable
 from epp.state.shared.sync import SharedState
 from epp.state.snapshot import EndpointState
 from tests.helpers import redis_servers
@@ -33,9 +34,10 @@ class Member:
 
     def __init__(self, url: str) -> None:
         self.store = RedisStore(url, key_prefix=hash_tag("epp"), refresh_interval=TICK)
-        self.fleet = FleetState(self.store, sessions=SharedSessionTable())
-        # Declared before the stream is read, as a profile with the prefix scorer does.
+        self.fleet = FleetState(self.store)
+        # Declared before the stream is read, as a profile with these scorers does.
         self.fleet.states.get(approx_prefix())
+        self.fleet.states.get(SESSIONS)
         self.shared = SharedState(url, self.fleet, key_prefix="epp", interval=TICK)
 
     async def start(self) -> Member:
@@ -74,19 +76,18 @@ async def exercise(a: Member, b: Member, tag: int) -> None:
         )
 
     await eventually(spread, what="leases spread 2 + 2")
-    a.fleet.prefix.insert(ENDPOINTS[0], [tag, tag + 1], 100)
-    a.fleet.sessions.bind(session_key(f"s{tag}".encode()), ENDPOINTS[1], time.time(), 60)
+    index, sessions = b.fleet.states.get(approx_prefix()), b.fleet.states.get(SESSIONS)
+    session = session_key(f"s{tag}".encode())
+    a.fleet.states.get(approx_prefix()).insert(ENDPOINTS[0], [tag, tag + 1], 100)
+    a.fleet.states.get(SESSIONS).bind(session, ENDPOINTS[1], time.time(), 60)
     ticket = a.fleet.inflight.add(ENDPOINTS[2], 5)
     state = EndpointState(ENDPOINTS[3], "pool", True, scraped_at=time.time())
     await a.store.put_endpoint(state)
     await eventually(
-        lambda: b.fleet.prefix.match([tag, tag + 1], [ENDPOINTS[0]])[ENDPOINTS[0]] == 2,
+        lambda: index.match([tag, tag + 1], [ENDPOINTS[0]])[ENDPOINTS[0]] == 2,
         what="prefix insertion",
     )
-    await eventually(
-        lambda: b.fleet.sessions.get(session_key(f"s{tag}".encode()), time.time()) == ENDPOINTS[1],
-        what="session",
-    )
+    await eventually(lambda: sessions.get(session, time.time()) == ENDPOINTS[1], what="session")
     await eventually(lambda: b.fleet.inflight.load(ENDPOINTS[2]).requests == 1, what="load")
     await eventually(lambda: b.store.snapshot().get(ENDPOINTS[3]) == state, what="state")
     a.fleet.inflight.release(ticket)

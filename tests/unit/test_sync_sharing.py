@@ -12,12 +12,14 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from epp.prefix.approximate import APPROX_PREFIX, ApproximatePrefixIndex, approx_prefix
 from epp.prefix.hashing import BlockHasher
 from epp.request import session_key
-from epp.state.fleet import APPROX_PREFIX, FleetState, approx_prefix
+from epp.scheduling.scorers.session import SESSIONS
+from epp.state.fleet import FleetState
 from epp.state.inflight import Load
 from epp.state.latency import Basis
-from epp.state.shared.sessions import SharedSessionTable
+from epp.state.sessions import SessionTable
 from epp.state.shared.sync import LOAD_INTERVALS, SharedState
 from tests.helpers import redis_servers
 from tests.unit.conftest import SHARED_URL, eventually
@@ -32,14 +34,23 @@ Group = Callable[..., Awaitable[Member]]
 S, TIMED, OLD = (session_key(raw) for raw in (b"s", b"timed", b"old"))
 
 
+def index(fleet: FleetState) -> ApproximatePrefixIndex:
+    return fleet.states.get(approx_prefix())
+
+
+def sessions(fleet: FleetState) -> SessionTable:
+    return fleet.states.get(SESSIONS)
+
+
 @pytest.fixture
 async def group(prefix: str) -> AsyncIterator[Group]:
     members: list[SharedState] = []
 
     async def start(url: str = SHARED_URL, poll: bool = False, interval: float = TICK) -> Member:
-        fleet = FleetState(sessions=SharedSessionTable())
-        # Declared before the stream is read, as a profile with the prefix scorer does.
-        fleet.states.get(approx_prefix())
+        fleet = FleetState()
+        # Declared before the stream is read, as a profile with these scorers does.
+        index(fleet)
+        sessions(fleet)
         member = SharedState(url, fleet, key_prefix=prefix, interval=interval, poll_picks=poll)
         member.set_endpoints([E1, E2, E3])
         await member.start()
@@ -92,10 +103,10 @@ async def test_prefix_insertions_are_pushed_to_the_other_processes(
     # Ticks an hour apart: what arrives was pushed (readers replay the stream from its start,
     # so no reader has to be waiting yet); a wall-clock bound on the wait would race the box.
     (fa, _), (fb, _), (fc, _) = [await group(interval=3600.0) for _ in range(3)]
-    fa.prefix.insert(E1, [11, 12, 13], 1000)
-    await eventually(lambda: fb.prefix.match([11, 12, 13], [E1]) == {E1: 3})
-    await eventually(lambda: fc.prefix.match([11, 12, 13], [E1]) == {E1: 3})
-    assert fb.prefix.take_recent() == [], "applied insertions must not be shipped again"
+    index(fa).insert(E1, [11, 12, 13], 1000)
+    await eventually(lambda: index(fb).match([11, 12, 13], [E1]) == {E1: 3})
+    await eventually(lambda: index(fc).match([11, 12, 13], [E1]) == {E1: 3})
+    assert index(fb).take_recent() == [], "applied insertions must not be shipped again"
 
 
 async def test_an_index_replicates_only_to_members_using_its_parameters(group: Group) -> None:
@@ -104,20 +115,20 @@ async def test_an_index_replicates_only_to_members_using_its_parameters(group: G
     for fleet in (fa, fc):
         fleet.states.get(small)
     fa.states.get(small).insert(E1, [31, 32], 1000)
-    fa.prefix.insert(E1, [41], 1000)  # shipped after the small index's item
+    index(fa).insert(E1, [41], 1000)  # shipped after the small index's item
     await eventually(lambda: fc.states.get(small).match([31, 32], [E1]) == {E1: 2})
-    await eventually(lambda: fb.prefix.match([41], [E1]) == {E1: 1})
+    await eventually(lambda: index(fb).match([41], [E1]) == {E1: 1})
     # b uses the default parameters only: it skipped the other set's item, kept no index for
     # it, and its default index holds nothing of it.
-    assert fb.states.named(APPROX_PREFIX) == [fb.prefix]
-    assert fb.prefix.match([31, 32], [E1]) == {E1: 0}
-    assert fc.prefix.match([31, 32], [E1]) == {E1: 0}
+    assert fb.states.named(APPROX_PREFIX) == [index(fb)]
+    assert index(fb).match([31, 32], [E1]) == {E1: 0}
+    assert index(fc).match([31, 32], [E1]) == {E1: 0}
 
 
 async def test_polling_mode_moves_insertions_too(group: Group) -> None:
     (fa, _), (fb, _) = await group(poll=True), await group(poll=True)
-    fa.prefix.insert(E2, [21, 22], 1000)
-    await eventually(lambda: fb.prefix.match([21, 22], [E2]) == {E2: 2})
+    index(fa).insert(E2, [21, 22], 1000)
+    await eventually(lambda: index(fb).match([21, 22], [E2]) == {E2: 2})
 
 
 async def test_sessions_follow_the_latest_binding_and_own_entries_are_skipped(
@@ -125,30 +136,30 @@ async def test_sessions_follow_the_latest_binding_and_own_entries_are_skipped(
 ) -> None:
     (fa, _), (fb, _) = await group(), await group()
     now = time.time()
-    fa.sessions.bind(S, E1, now, 60)
-    fa.sessions.bind(S, E2, now, 60)  # rebinding before the first one comes back
-    await eventually(lambda: fb.sessions.get(S, time.time()) == E2)
+    sessions(fa).bind(S, E1, now, 60)
+    sessions(fa).bind(S, E2, now, 60)  # rebinding before the first one comes back
+    await eventually(lambda: sessions(fb).get(S, time.time()) == E2)
     await asyncio.sleep(3 * TICK)
     # Had a's own entries been applied to it, the older E1 binding could have won.
-    assert fa.sessions.get(S, time.time()) == E2
+    assert sessions(fa).get(S, time.time()) == E2
     # The absolute expiry travels: a binding ends at the same moment everywhere, however late
     # it arrived (at least the shipper's linger late). Read at chosen instants, not by waiting
     # for a short binding to lapse, which a slow delivery could outrun.
     bound = time.time()
-    fa.sessions.bind(TIMED, E3, bound, 60)
-    await eventually(lambda: fb.sessions.get(TIMED, bound) == E3)
-    assert fb.sessions.get(TIMED, bound + 59.999) == E3
-    assert fb.sessions.get(TIMED, bound + 60.001) is None
+    sessions(fa).bind(TIMED, E3, bound, 60)
+    await eventually(lambda: sessions(fb).get(TIMED, bound) == E3)
+    assert sessions(fb).get(TIMED, bound + 59.999) == E3
+    assert sessions(fb).get(TIMED, bound + 60.001) is None
 
 
 async def test_a_late_process_starts_with_the_group_history(group: Group) -> None:
     (fa, _), _ = await group(), await group()
-    fa.prefix.insert(E3, [31, 32], 1000)
-    fa.sessions.bind(OLD, E3, time.time(), 60)
+    index(fa).insert(E3, [31, 32], 1000)
+    sessions(fa).bind(OLD, E3, time.time(), 60)
     await eventually(lambda: pending() == 0, what="shipped")
     fc, _ = await group()
-    await eventually(lambda: fc.prefix.match([31, 32], [E3]) == {E3: 2}, what="replay")
-    assert fc.sessions.get(OLD, time.time()) == E3
+    await eventually(lambda: index(fc).match([31, 32], [E3]) == {E3: 2}, what="replay")
+    assert sessions(fc).get(OLD, time.time()) == E3
 
 
 def pending() -> float | None:
@@ -164,22 +175,22 @@ async def test_picks_made_while_redis_is_down_arrive_after_it_returns(
     server = redis_servers.RedisServer(tmp_path).start()
     try:
         (fa, a), (fb, _) = await group(server.url), await group(server.url)
-        fa.prefix.insert(E1, [1, 2], 1000)
-        await eventually(lambda: fb.prefix.match([1, 2], [E1]) == {E1: 2})
+        index(fa).insert(E1, [1, 2], 1000)
+        await eventually(lambda: index(fb).match([1, 2], [E1]) == {E1: 2})
         # b can apply an entry before a has read the pipeline's reply that takes it off a's
         # pending count: zero follows, it need not have come yet.
         await eventually(lambda: pending() == 0, what="nothing pending")
 
         server.kill()
         await eventually(lambda: a.leases.owned() is None, what="a notices the outage")
-        fa.prefix.insert(E2, [3, 4], 1000)  # routing goes on, the insertion waits
+        index(fa).insert(E2, [3, 4], 1000)  # routing goes on, the insertion waits
         fa.inflight.add(E3, 7)
         await asyncio.sleep(0.2)
-        assert fb.prefix.match([3, 4], [E2]) == {E2: 0}
+        assert index(fb).match([3, 4], [E2]) == {E2: 0}
         assert pending() == 1, "the insertion waiting for Redis"
 
         server.start()  # empty
-        await eventually(lambda: fb.prefix.match([3, 4], [E2]) == {E2: 2}, within=5.0)
+        await eventually(lambda: index(fb).match([3, 4], [E2]) == {E2: 2}, within=5.0)
         await eventually(lambda: pending() == 0, what="nothing pending after the outage")
         await eventually(lambda: fb.inflight.load(E3).requests == 1, within=5.0)
     finally:

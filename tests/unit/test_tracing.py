@@ -37,7 +37,7 @@ def test_tracing_is_off_by_default_and_read_from_its_section() -> None:
     [
         ({"endpoint": "collector:4318"}, "tracing.endpoint: must be the collector's OTLP/HTTP"),
         ({"sample_ratio": 1.5}, "tracing.sample_ratio: must be a fraction in [0, 1]"),
-        ({"sample_ratio": -0.1}, "tracing.sample_ratio: must be a number >= 0"),
+        ({"sample_ratio": -0.1}, "tracing.sample_ratio: must be a fraction in [0, 1], got -0.1"),
         ({"service_name": ""}, "tracing.service_name: must not be empty"),
         ({"exporter": "grpc"}, "tracing.exporter: must be one of the known keys"),
     ],

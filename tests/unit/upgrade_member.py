@@ -24,13 +24,14 @@ from typing import Any
 import msgpack
 from prometheus_client import REGISTRY
 
+from epp.prefix.approximate import approx_prefix
 from epp.request import session_key
+from epp.scheduling.scorers import session
 from epp.state import redis_store
-from epp.state.fleet import FleetState, approx_prefix
+from epp.state.fleet import FleetState
 from epp.state.group_queues import Row
 from epp.state.inflight import Load
 from epp.state.shared import picks, sync, wire
-from epp.state.shared.sessions import SharedSessionTable
 from epp.state.snapshot import EndpointState
 
 BURST = 50
@@ -183,11 +184,13 @@ async def _share(fleet: FleetState, store: redis_store.RedisStore, me: str, coun
         fleet.inflight.add(mine, 10)
     fleet.queues.queued(POOL, PRIORITY, me, 2, time.monotonic())
     for i in range(SESSIONS):
-        fleet.sessions.bind(session_key(f"{me}-s{i}".encode()), mine, now, 600.0)
+        fleet.states.get(session.SESSIONS).bind(
+            session_key(f"{me}-s{i}".encode()), mine, now, 600.0
+        )
     todo = list(hashes(me, count))
     for start in range(0, len(todo), BURST):
         for h in todo[start : start + BURST]:
-            fleet.prefix.insert(mine, [h], 10 * count)
+            fleet.states.get(approx_prefix()).insert(mine, [h], 10 * count)
         await asyncio.sleep(0.005)
 
 
@@ -195,12 +198,15 @@ def _seen(
     fleet: FleetState, store: redis_store.RedisStore, other: str, count: int
 ) -> dict[str, Any]:
     theirs = endpoint(other)
-    matched = fleet.prefix.match
+    matched = fleet.states.get(approx_prefix()).match
     state = store.snapshot().get(theirs)
     return {
         "prefix": sum(matched([h], [theirs])[theirs] for h in hashes(other, count)),
         "sessions": sum(
-            fleet.sessions.get(session_key(f"{other}-s{i}".encode()), time.time()) == theirs
+            fleet.states.get(session.SESSIONS).get(
+                session_key(f"{other}-s{i}".encode()), time.time()
+            )
+            == theirs
             for i in range(SESSIONS)
         ),
         "load": fleet.inflight.load(theirs).requests,
@@ -217,9 +223,10 @@ def complete(seen: Mapping[str, Any], count: int) -> bool:
 async def main(args: argparse.Namespace) -> None:
     if args.legacy:
         install_legacy()
-    fleet = FleetState(sessions=SharedSessionTable())
-    # Declared before the stream is read, as a profile with the prefix scorer does.
+    fleet = FleetState()
+    # Declared before the stream is read, as a profile with these scorers does.
     fleet.states.get(approx_prefix())
+    fleet.states.get(session.SESSIONS)
     store = redis_store.RedisStore(args.url, key_prefix=args.prefix, refresh_interval=0.02)
     member = sync.SharedState(args.url, fleet, key_prefix=args.prefix, interval=0.02)
     addresses = [endpoint(args.me), endpoint(args.other)]

@@ -12,7 +12,8 @@ A request counts as cold when no candidate caches ``cold_below`` of its prompt (
 producers' :data:`~epp.scheduling.prefix_data.CACHED_TOKENS`; without a prefix producer every
 request is cold). Cold: the candidate that received a cold prompt longest ago (or never) scores
 1, the most recent 0, linearly by rank between. Warm: every candidate scores 1, so cache
-affinity and load decide. Memory: :class:`~epp.state.cold_picks.ColdPicks`.
+affinity and load decide. Memory: :class:`~epp.state.cold_picks.ColdPicks`, kept in the fleet
+state (:data:`COLD_PICKS`) so that a reload does not forget it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from epp.scheduling.data import Input
 from epp.scheduling.framework import Cycle, PostPick, Scorer, register
 from epp.scheduling.params import Params, param
 from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.state.cold_picks import ColdPicks
+from epp.state.registry import StateKey
 from epp.state.snapshot import EndpointState
+
+# Per process, unkeyed (an endpoint's place in line means the same whatever ``cold_below``),
+# and left where a retry found it: the order spreads prompts, it does not claim a cache.
+COLD_PICKS = StateKey("cold-picks", ColdPicks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,7 @@ class NoHitLruParams(Params):
 class NoHitLruScorer(Scorer, PostPick):
     params_type = NoHitLruParams
     consumes = (Input(CACHED_TOKENS, required=False),)
+    states = (COLD_PICKS,)
 
     def __init__(self, params: NoHitLruParams = NoHitLruParams()) -> None:
         self.cold_below = params.cold_below
@@ -54,10 +62,10 @@ class NoHitLruScorer(Scorer, PostPick):
     ) -> list[float]:
         if len(candidates) < 2 or not self.cold(request, cycle):
             return [1.0] * len(candidates)
-        ranks = cycle.fleet.cold_picks.ranks([c.address for c in candidates])
+        ranks = cycle.fleet.states.get(COLD_PICKS).ranks([c.address for c in candidates])
         last = len(candidates) - 1
         return [(last - rank) / last for rank in ranks]
 
     def on_pick(self, request: InferenceRequest, endpoint: EndpointState, cycle: Cycle) -> None:
         if self.cold(request, cycle):
-            cycle.fleet.cold_picks.record(endpoint.address)
+            cycle.fleet.states.get(COLD_PICKS).record(endpoint.address)

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.prefix.tokens import DEFAULT_MAX_INLINE_CHARS
 from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, PostPick, Prepare, Producer, Scorer, register
@@ -66,6 +67,7 @@ class PrecisePrefixCacheScorer(Producer, Scorer, PostPick, Prepare):
 
     params_type = PreciseParams
     produces = (PRECISE_PREFIX,)
+    states = (PRECISE_INDEX, TOKENIZERS)
 
     def __init__(self, params: PreciseParams = PreciseParams()) -> None:
         self.speculative_ttl = params.speculative_ttl
@@ -78,7 +80,7 @@ class PrecisePrefixCacheScorer(Producer, Scorer, PostPick, Prepare):
             return
         try:
             async with asyncio.timeout(self.tokenize_wait):
-                await fleet.tokenizers.wait_for(request, self.max_inline_chars)
+                await fleet.states.get(TOKENIZERS).wait_for(request, self.max_inline_chars)
         except TimeoutError:
             log.debug(
                 "request %s: no precise ids within %ss", request.request_id, self.tokenize_wait
@@ -87,12 +89,12 @@ class PrecisePrefixCacheScorer(Producer, Scorer, PostPick, Prepare):
     def produce(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> None:
-        tokens = cycle.fleet.tokenizers.token_ids(request, self.max_inline_chars)
+        tokens = cycle.fleet.states.get(TOKENIZERS).token_ids(request, self.max_inline_chars)
         match = PreciseMatch(tokens, request.lora, self.max_blocks)
         cycle.put(PRECISE_PREFIX, match)
         if tokens is None:
             return
-        index = cycle.fleet.precise
+        index = cycle.fleet.states.get(PRECISE_INDEX)
         by_size: dict[int, list[str]] = {}
         for c in candidates:
             size = c.metrics.block_size or index.block_size(c.address)
@@ -120,7 +122,7 @@ class PrecisePrefixCacheScorer(Producer, Scorer, PostPick, Prepare):
         match = cycle.get(PRECISE_PREFIX)
         if match is None or match.tokens is None or self.speculative_ttl <= 0:
             return
-        index = cycle.fleet.precise
+        index = cycle.fleet.states.get(PRECISE_INDEX)
         size = match.block_sizes.get(endpoint.address)
         if size is None:
             return  # block size unknown: nothing was matched, nothing can be keyed

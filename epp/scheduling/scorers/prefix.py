@@ -1,11 +1,10 @@
 """Prefer endpoints that already cache the request's prompt prefix (GIE's ``prefix-cache-scorer``).
 
 A prompt prefix cached on a replica skips its prefill there, most of a long prompt's time to
-first token. In the data step the
-plugin hashes the prompt into chained blocks (:mod:`epp.prefix.hashing`) and asks the fleet's
-approximate index for its hashing parameters (:func:`~epp.state.fleet.approx_prefix`: another
-``block_chars`` or ``block_size`` is another index) how many leading blocks each candidate
-caches; it publishes the result as
+first token. In the data step the plugin hashes the prompt into chained blocks
+(:mod:`epp.prefix.hashing`) and asks the fleet's approximate index for its hashing parameters
+(:func:`~epp.prefix.approximate.approx_prefix`: another ``block_chars`` or ``block_size`` is
+another index) how many leading blocks each candidate caches; it publishes the result as
 :data:`~epp.scheduling.prefix_data.APPROX_PREFIX` (blocks per endpoint, and cached prompt tokens,
 which the TTFT scorer turns into uncached prefill work). The score is ``matched / total`` blocks.
 After the pick it records the request's blocks for the chosen endpoint, so the next request with
@@ -17,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from epp.prefix.approximate import DEFAULT_CAPACITY
+from epp.prefix.approximate import DEFAULT_CAPACITY, approx_prefix
 from epp.prefix.hashing import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_BLOCK_SIZE,
@@ -28,7 +27,6 @@ from epp.request import InferenceRequest
 from epp.scheduling.framework import Cycle, PostPick, Producer, Scorer, register
 from epp.scheduling.params import Params, param
 from epp.scheduling.prefix_data import APPROX_PREFIX, PrefixMatch
-from epp.state.fleet import approx_prefix
 from epp.state.snapshot import EndpointState
 
 

@@ -17,8 +17,8 @@ the request's uncached prompt tokens, and the queue drains at ``prefill_tokens_p
 the endpoint's capacity weight. The scraped waiting queue (requests the engine has not started,
 including ones other gateways sent) is a floor under that estimate. The model is per process:
 with several epp processes each counts its own picks, and the scraped queue covers the rest.
-The queue lives in the fleet state (:class:`~epp.state.backlog.PrefillBacklog`), so a
-configuration reload does not forget it.
+The queue lives in the fleet state (:data:`PREFILL_BACKLOG`), so a configuration reload does
+not forget it.
 
 A request that does not fit in an endpoint's KV cache waits too: vLLM admits it when its prompt
 fits, and as outputs grow the engine preempts its newest requests and recomputes them later.
@@ -53,7 +53,13 @@ from epp.scheduling.framework import Cycle, PostPick, Scorer, register
 from epp.scheduling.kv_demand import kv_held
 from epp.scheduling.params import Params, param
 from epp.scheduling.prefix_data import CACHED_TOKENS
+from epp.state.backlog import PrefillBacklog
+from epp.state.registry import StateKey
 from epp.state.snapshot import EndpointState
+
+# Unkeyed: entries count prompt tokens, and the drain rate (a parameter) is applied on reading.
+# Not moved on a retry: an estimate that drains within seconds (epp.state.moves).
+PREFILL_BACKLOG = StateKey("prefill-backlog", PrefillBacklog)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,7 @@ class TtftParams(Params):
 class TtftScorer(Scorer, PostPick):
     params_type = TtftParams
     consumes = (Input(CACHED_TOKENS, required=False),)
+    states = (PREFILL_BACKLOG,)
 
     def __init__(self, params: TtftParams = TtftParams()) -> None:
         self.tokens_per_request = params.tokens_per_request
@@ -99,12 +106,13 @@ class TtftScorer(Scorer, PostPick):
         output = request.output_tokens()
         cached = cycle.get(CACHED_TOKENS) or {}
         learned = self.learned_speeds(cycle)
+        backlog = cycle.fleet.states.get(PREFILL_BACKLOG)  # once: a lookup per candidate adds up
         estimates = []
         for c in candidates:
             uncached = max(0, prompt - cached.get(c.address, 0))
             capacity = speed(c.address, cycle, learned)
             queued = max(
-                self._backlog(c.address, capacity, cycle),
+                self._drained(backlog.get(c.address), capacity, cycle.now),
                 c.metrics.waiting * self.tokens_per_request,
             )
             estimate = self.queue_weight * queued + uncached
@@ -121,20 +129,22 @@ class TtftScorer(Scorer, PostPick):
         address = endpoint.address
         cached = cycle.get(CACHED_TOKENS) or {}
         uncached = max(0, request.prompt_tokens() - cached.get(address, 0))
-        cycle.fleet.prefill.set(address, self.backlog(address, cycle) + uncached, cycle.now)
+        backlog = cycle.fleet.states.get(PREFILL_BACKLOG)
+        backlog.set(address, self.backlog(address, cycle) + uncached, cycle.now)
 
     def backlog(self, address: str, cycle: Cycle) -> float:
         """Prefill tokens still ahead on ``address`` by the fluid model (0 when drained): they
         drain at ``prefill_tokens_per_second`` times the endpoint's speed."""
-        return self._backlog(address, speed(address, cycle, self.learned_speeds(cycle)), cycle)
+        entry = cycle.fleet.states.get(PREFILL_BACKLOG).get(address)
+        capacity = speed(address, cycle, self.learned_speeds(cycle))
+        return self._drained(entry, capacity, cycle.now)
 
-    def _backlog(self, address: str, capacity: float, cycle: Cycle) -> float:
-        """:meth:`backlog` with the endpoint's speed already known (:meth:`score` has it)."""
-        entry = cycle.fleet.prefill.get(address)
+    def _drained(self, entry: tuple[float, float] | None, capacity: float, now: float) -> float:
+        """What is left at ``now`` of a backlog ``entry`` on an endpoint of speed ``capacity``."""
         if entry is None:
             return 0.0
         tokens, as_of = entry
-        drained = self.prefill_rate * capacity * (cycle.now - as_of)
+        drained = self.prefill_rate * capacity * (now - as_of)
         return max(0.0, tokens - drained)
 
     def learned_speeds(self, cycle: Cycle) -> Mapping[str, float]:

@@ -5,9 +5,9 @@
 - :mod:`~epp.state.shared.keys`: the key schema (all keys in one Cluster slot).
 - :mod:`~epp.state.shared.lease`: each endpoint scraped by one process of the group.
 - :mod:`~epp.state.shared.loads`: in-flight counts summed over the group.
-- :mod:`~epp.state.shared.picks`: what picks add to the replicated states (the prefix indexes,
-  :mod:`epp.state.registry`), the session table and passive health, replayed by every other
-  process through a stream.
+- :mod:`~epp.state.shared.picks`: what picks add to the replicated states
+  (:mod:`epp.state.registry`: the prefix indexes, the session table) and passive health,
+  replayed by every other process through a stream.
 - :mod:`~epp.state.shared.sessions`: the session table whose bindings can be replayed.
 - :mod:`~epp.state.shared.sync`: per process, leases and in-flight counts every scrape interval,
   and the pick stream's tasks.

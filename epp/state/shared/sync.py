@@ -40,7 +40,6 @@ from epp.state.shared.loads import encode, total
 from epp.state.shared.picks import Channel, PickStream
 from epp.state.shared.queues import decode as decode_queue
 from epp.state.shared.queues import encode as encode_queue
-from epp.state.shared.sessions import Binding, SharedSessionTable
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +58,8 @@ class SharedState:
     """Scrape leases, shared in-flight counts and replicated routing memory for one process.
 
     ``fleet``'s in-flight tracker gets the other processes' counts as ``remote``; its health
-    verdicts, its replicated states (the prefix indexes: :mod:`epp.state.registry`), and its
-    session table if it is a :class:`SharedSessionTable` (a plain one stays local), exchange
-    their additions with the other processes.
+    verdicts and every state declared as replicated (:mod:`epp.state.registry`: the prefix
+    indexes, the session table) exchange their additions with the other processes.
     """
 
     def __init__(
@@ -88,8 +86,6 @@ class SharedState:
         self._interval = interval
         self._load_ttl_ms = max(1, round(LOAD_INTERVALS * interval * 1000))
         core = [Channel("health", fleet.health, Verdict, bounds.verdicts(fleet.health))]
-        if isinstance(fleet.sessions, SharedSessionTable):
-            core.append(Channel("sessions", fleet.sessions, Binding, bounds.binding))
         states = fleet.states
 
         def channels() -> list[Channel]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.prefix.tokens import TokenizerRegistry
 from epp.request import InferenceRequest
 from epp.scheduling import Cycle, PluginSpec, ProfileSpec, build_profile
@@ -37,7 +38,7 @@ def cycle(fleet: FleetState, now: float = 100.0) -> Cycle:
 def engine_stores(fleet: FleetState, endpoint: str, tokens: tuple[int, ...], n_blocks: int) -> None:
     """What the engine's BlockStored would make the subscriber do (hashes are arbitrary)."""
     hashes = [hash((endpoint, i)) & (2**64 - 1) for i in range(n_blocks)]
-    fleet.precise.stored(endpoint, hashes, None, tokens[: n_blocks * BS], BS)
+    fleet.states.get(PRECISE_INDEX).stored(endpoint, hashes, None, tokens[: n_blocks * BS], BS)
 
 
 def test_score_is_engine_cached_blocks_over_full_blocks_and_tokens_are_published() -> None:
@@ -58,7 +59,7 @@ def test_score_is_engine_cached_blocks_over_full_blocks_and_tokens_are_published
 def test_each_endpoint_is_cut_in_its_own_block_size() -> None:
     fleet = FleetState()
     tokens = PROMPT[: 4 * 32]
-    fleet.precise.stored("big", [1, 2], None, tokens[:64], 32)
+    fleet.states.get(PRECISE_INDEX).stored("big", [1, 2], None, tokens[:64], 32)
     engine_stores(fleet, "small", tokens, 8)
     # "big" is not scraped yet: its events told the index its block size.
     scores = scored(
@@ -87,10 +88,10 @@ def test_unknown_block_size_or_tokens_score_zero_and_publish_nothing() -> None:
 
 def test_text_prompts_are_tokenized_with_the_models_tokenizer() -> None:
     fleet = FleetState()
-    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR)})
     text = "The quick brown fox jumps over the lazy dog. " * 20
     request = req(None, text)
-    ids = fleet.tokenizers.token_ids(request)
+    ids = fleet.states.get(TOKENIZERS).token_ids(request)
     assert ids is not None
     assert ids[0] == 0  # BOS, as vLLM adds for completions
     engine_stores(fleet, "a", tuple(ids), len(ids) // BS)
@@ -138,7 +139,9 @@ def test_token_ids_outside_the_vocabulary_range_match_nothing() -> None:
 
 def test_lora_requests_match_their_adapters_blocks() -> None:
     fleet = FleetState()
-    fleet.precise.stored("a", [1, 2], None, PROMPT[:32], BS, lora="ad", extra_keys=[["ad"]] * 2)
+    fleet.states.get(PRECISE_INDEX).stored(
+        "a", [1, 2], None, PROMPT[:32], BS, lora="ad", extra_keys=[["ad"]] * 2
+    )
     request = req()
     assert scored(PrecisePrefixCacheScorer(), request, [ep("a")], cycle(fleet)) == [0.0]
     request.lora = "ad"
@@ -153,7 +156,7 @@ def long_text_request(words: int = 3000) -> InferenceRequest:
 
 async def test_prepare_waits_for_a_long_new_prompt_so_it_is_scored_precisely() -> None:
     fleet = FleetState()
-    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR)})
     scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000))
     request = long_text_request()
     reference = TokenizerRegistry()  # its own cache: the prompt stays new to the fleet's
@@ -172,7 +175,7 @@ async def test_prepare_waits_for_a_long_new_prompt_so_it_is_scored_precisely() -
 
 async def test_without_waiting_a_long_new_prompt_scores_zero_until_tokenized() -> None:
     fleet = FleetState()
-    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR)})
     scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000, tokenize_wait=0))
     request = long_text_request()
     await scorer.prepare(request, fleet)
@@ -185,13 +188,13 @@ async def test_without_waiting_a_long_new_prompt_scores_zero_until_tokenized() -
 
 async def test_prepare_gives_up_after_tokenize_wait_and_the_work_goes_on() -> None:
     fleet = FleetState()
-    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR)})
+    fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR)})
     scorer = PrecisePrefixCacheScorer(PreciseParams(max_inline_chars=1000, tokenize_wait=1e-6))
     request = long_text_request(words=60_000)
     await scorer.prepare(request, fleet)  # returns at once: far too short a wait
-    assert fleet.tokenizers.token_ids(request, 1000) is None
+    assert fleet.states.get(TOKENIZERS).token_ids(request, 1000) is None
     for _ in range(500):
-        if fleet.tokenizers.token_ids(request, 1000) is not None:
+        if fleet.states.get(TOKENIZERS).token_ids(request, 1000) is not None:
             break
         await asyncio.sleep(0.01)
-    assert fleet.tokenizers.token_ids(request, 1000) is not None
+    assert fleet.states.get(TOKENIZERS).token_ids(request, 1000) is not None

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from epp.config import load_config
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS
 from epp.request import InferenceRequest
 from epp.server import Server
 from epp.sim.tokenization import BUNDLED_DIR
@@ -44,20 +45,20 @@ async def test_reload_subscribes_to_new_kv_event_publishers_and_loads_tokenizers
     request = InferenceRequest("r", "/v1/completions", "completions", "tiny", "hello")
     await server.kv_events.start()
     try:
-        assert fleet.tokenizers.token_ids(request) is None
+        assert fleet.states.get(TOKENIZERS).token_ids(request) is None
         write_config(path, f"tcp://127.0.0.1:{port}")
         assert await server.reload()
-        assert fleet.tokenizers.token_ids(request) is not None
+        assert fleet.states.get(TOKENIZERS).token_ids(request) is not None
         deadline = time.monotonic() + 5
         seq = 0
-        while fleet.precise.block_count(ENDPOINT) == 0:
+        while fleet.states.get(PRECISE_INDEX).block_count(ENDPOINT) == 0:
             assert time.monotonic() < deadline, "the reloaded config's publisher was not subscribed"
             await pub.send_multipart(message(seq, stored([1], [5, 6, 7, 8])))
             seq += 1
             await asyncio.sleep(0.05)
         write_config(path, None)
         assert await server.reload()
-        assert fleet.precise.block_count(ENDPOINT) == 0
+        assert fleet.states.get(PRECISE_INDEX).block_count(ENDPOINT) == 0
     finally:
         await server.kv_events.stop()
         pub.close(linger=0)

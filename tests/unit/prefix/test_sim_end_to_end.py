@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from epp.devstack import free_port
-from epp.prefix.precise import chain_keys, root_key
+from epp.prefix.precise import PRECISE_INDEX, TOKENIZERS, chain_keys, root_key
 from epp.request import RequestPolicy, parse_request
 from epp.scheduling import Cycle
 from epp.scheduling.prefix_data import best_cached_tokens
@@ -79,15 +79,15 @@ def sim() -> Iterator[Sim]:
 async def fleet(sim: Sim) -> AsyncIterator[FleetState]:
     """A fleet whose index follows the simulator's events, connected before the test starts."""
     fleet = FleetState()
-    fleet.tokenizers.set_models({"tiny": str(BUNDLED_DIR), LORA: str(BUNDLED_DIR)})
-    subscriber = KvEventSubscriber(fleet.precise)
+    fleet.states.get(TOKENIZERS).set_models({"tiny": str(BUNDLED_DIR), LORA: str(BUNDLED_DIR)})
+    subscriber = KvEventSubscriber(fleet.states.get(PRECISE_INDEX))
     subscriber.set_endpoints({ENDPOINT: sim.kv_events})
     await subscriber.start()
     try:
         async with aiohttp.ClientSession() as session:
             # ZMQ slow joiner: messages sent before the subscription propagates are lost.
             deadline = time.monotonic() + 10
-            while fleet.precise.block_count(ENDPOINT) == 0:
+            while fleet.states.get(PRECISE_INDEX).block_count(ENDPOINT) == 0:
                 assert time.monotonic() < deadline, "no KV events from the simulator"
                 body = {"model": "tiny", "prompt": list(range(5, 5 + BLOCK_SIZE)), "max_tokens": 1}
                 await post(session, sim, "/v1/completions", body)
@@ -131,11 +131,11 @@ async def test_engine_blocks_match_our_keys_for_the_same_request(
     body["max_tokens"] = 1
     request = parse_request(path, {}, json.dumps(body).encode(), RequestPolicy())
     request.lora = lora  # the router sets it from models.<name>.lora
-    tokens = fleet.tokenizers.token_ids(request)
+    tokens = fleet.states.get(TOKENIZERS).token_ids(request)
     assert tokens is not None
     keys = chain_keys(tokens, BLOCK_SIZE, root_key(lora))
     assert len(keys) >= 8
-    index = fleet.precise
+    index = fleet.states.get(PRECISE_INDEX)
     assert index.match(keys, [ENDPOINT], time.time()) == {ENDPOINT: 0}
 
     async with aiohttp.ClientSession() as session:

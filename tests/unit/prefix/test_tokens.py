@@ -14,12 +14,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from epp.prefix.tokens import (
-    RESTART_SPACING,
-    ModelTokenizer,
-    TokenCache,
-    TokenizerRegistry,
-)
+from epp.prefix.token_cache import RESTART_SPACING, TokenCache
+from epp.prefix.tokens import ModelTokenizer, TokenizerRegistry
 from epp.request import InferenceRequest, RequestPolicy, parse_request
 from epp.sim.tokenization import BUNDLED_DIR, SimTokenizer
 from tests.unit.prefix.helpers import FIXTURES

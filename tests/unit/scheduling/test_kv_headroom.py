@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from epp.prefix.approximate import approx_prefix
 from epp.prefix.hashing import BlockHasher
 from epp.scheduling.filters.kv_headroom import KvHeadroomFilter
 from epp.scheduling.scorers.prefix import PrefixParams
@@ -49,7 +50,9 @@ def test_keeps_endpoints_whose_cache_geometry_is_unknown() -> None:
 def test_cached_prefix_blocks_need_no_room() -> None:
     fleet = FleetState()
     hashes = BlockHasher().hashes(req(PROMPT))
-    fleet.prefix.insert("tight", hashes, capacity=1000)  # all 25 full blocks: 400 tokens
+    fleet.states.get(approx_prefix()).insert(
+        "tight", hashes, capacity=1000
+    )  # all 25 full blocks: 400 tokens
     eps = [geometry("tight", 1), geometry("roomy", 100), geometry("also-tight", 1)]
     c = cycle(fleet)
     # The cached tokens come from the profile's data step (here: the approximate prefix).

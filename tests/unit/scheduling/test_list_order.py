@@ -18,13 +18,18 @@ import pytest
 import yaml
 
 from epp.config import DEFAULT_PROFILE, parse_config
+from epp.prefix.approximate import approx_prefix
 from epp.prefix.hashing import BlockHasher
+from epp.prefix.precise import PRECISE_INDEX
 from epp.request import InferenceRequest
 from epp.roles import Role
 from epp.scheduling import Cycle, PluginSpec, Profile, build_profile
 from epp.scheduling.pickers.max_score import MaxScoreParams
+from epp.scheduling.scorers.session import SESSIONS
+from epp.scheduling.scorers.ttft import PREFILL_BACKLOG
 from epp.state import EndpointMetrics, EndpointState, Snapshot
 from epp.state.fleet import FleetState
+from tests.unit.extending import least_picked  # noqa: F401  (docs/extending.md configures it)
 from tests.unit.scheduling.common import text
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -133,17 +138,17 @@ def warm_fleet() -> FleetState:
     hasher = BlockHasher()
     a = hasher.hashes(InferenceRequest("w", "/v1/completions", "completions", "m", SYSTEM_A))
     b = hasher.hashes(InferenceRequest("w", "/v1/completions", "completions", "m", SYSTEM_B))
-    fleet.prefix.insert(EPS[1], a, 10_000)
-    fleet.prefix.insert(EPS[2], a[:20], 10_000)
-    fleet.prefix.insert(EPS[4], b, 10_000)
+    fleet.states.get(approx_prefix()).insert(EPS[1], a, 10_000)
+    fleet.states.get(approx_prefix()).insert(EPS[2], a[:20], 10_000)
+    fleet.states.get(approx_prefix()).insert(EPS[4], b, 10_000)
     hashes = [hash(("ids", i)) & (2**64 - 1) for i in range(30)]
-    fleet.precise.stored(EPS[3], hashes, None, IDS[: 30 * BS], BS)
-    fleet.precise.stored(EPS[5], hashes[:10], None, IDS[: 10 * BS], BS)
-    fleet.sessions.bind("s-home", EPS[2], NOW, 300.0)
-    fleet.sessions.bind("s-busy", EPS[4], NOW, 300.0)
+    fleet.states.get(PRECISE_INDEX).stored(EPS[3], hashes, None, IDS[: 30 * BS], BS)
+    fleet.states.get(PRECISE_INDEX).stored(EPS[5], hashes[:10], None, IDS[: 10 * BS], BS)
+    fleet.states.get(SESSIONS).bind("s-home", EPS[2], NOW, 300.0)
+    fleet.states.get(SESSIONS).bind("s-busy", EPS[4], NOW, 300.0)
     for address, tokens in ((EPS[0], 9000), (EPS[1], 2500), (EPS[3], 600), (EPS[6], 4000)):
         fleet.inflight.add(address, tokens)
-    fleet.prefill.set(EPS[1], 3000.0, NOW - 0.05)
+    fleet.states.get(PREFILL_BACKLOG).set(EPS[1], 3000.0, NOW - 0.05)
     return fleet
 
 
@@ -203,7 +208,7 @@ def test_the_ttft_estimate_reads_cached_tokens_before_or_after_the_prefix_scorer
     results = []
     for entries in ([prefix, ttft, picker], [ttft, prefix, picker]):
         fleet = FleetState()
-        fleet.prefix.insert(EPS[1], BlockHasher().hashes(request), 10_000)
+        fleet.states.get(approx_prefix()).insert(EPS[1], BlockHasher().hashes(request), 10_000)
         decision = built(entries).run(request, idle, Cycle(Snapshot(), fleet, now=NOW), 1, True)
         assert decision.scores is not None
         results.append(decision.scores)

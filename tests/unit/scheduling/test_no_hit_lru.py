@@ -8,7 +8,7 @@ import pytest
 
 from epp.config import ConfigError, parse_config
 from epp.scheduling.prefix_data import CACHED_TOKENS
-from epp.scheduling.scorers.no_hit_lru import NoHitLruParams, NoHitLruScorer
+from epp.scheduling.scorers.no_hit_lru import COLD_PICKS, NoHitLruParams, NoHitLruScorer
 from epp.scheduling.scorers.prefix import PrefixParams
 from epp.state.cold_picks import ColdPicks
 from epp.state.fleet import FleetState
@@ -58,13 +58,13 @@ def test_a_warm_prompt_is_left_to_cache_affinity_and_not_counted() -> None:
     c.put(CACHED_TOKENS, {"c": 300})
     assert scorer.score(request, EPS, c) == [1.0] * 4
     scorer.on_pick(request, EPS[2], c)
-    assert fleet.cold_picks.ranks(["a", "b", "c", "d"]) == [0, 1, 2, 3]
+    assert fleet.states.get(COLD_PICKS).ranks(["a", "b", "c", "d"]) == [0, 1, 2, 3]
     # Below the share it is cold: the order decides, and the pick is remembered.
     c = cycle(fleet)
     c.put(CACHED_TOKENS, {"c": 299})
     assert scorer.score(request, EPS, c) == [1.0, 2 / 3, 1 / 3, 0.0]
     scorer.on_pick(request, EPS[0], c)
-    assert fleet.cold_picks.ranks(["a", "b", "c", "d"]) == [3, 0, 1, 2]
+    assert fleet.states.get(COLD_PICKS).ranks(["a", "b", "c", "d"]) == [3, 0, 1, 2]
 
 
 def test_in_a_profile_new_groups_spread_evenly_and_their_followers_stay_home() -> None:

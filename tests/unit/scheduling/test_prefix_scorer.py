@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epp.config import parse_config
+from epp.prefix.approximate import approx_prefix
 from epp.prefix.hashing import BlockHasher
 from epp.request import InferenceRequest
 from epp.scheduling import build_profile
@@ -22,8 +23,8 @@ def test_score_is_matched_over_total_blocks_and_match_is_published() -> None:
     fleet = FleetState()
     prompt = text("p", 64 * 8)
     hashes = BlockHasher().hashes(req(prompt))
-    fleet.prefix.insert(EPS[0].address, hashes[:8], 1000)
-    fleet.prefix.insert(EPS[1].address, hashes[:2], 1000)
+    fleet.states.get(approx_prefix()).insert(EPS[0].address, hashes[:8], 1000)
+    fleet.states.get(approx_prefix()).insert(EPS[1].address, hashes[:2], 1000)
     c = cycle(fleet)
     assert scored(PrefixCacheScorer(), req(prompt), EPS, c) == [1.0, 0.25, 0.0, 0.0]
     match = c.get(APPROX_PREFIX)
@@ -90,10 +91,10 @@ def test_post_pick_sizes_the_lru_from_the_endpoints_kv_cache() -> None:
             c = cycle(fleet)
             scorer.produce(request, [endpoint], c)
             scorer.on_pick(request, endpoint, c)
-    assert fleet.prefix.size("small") == 4
+    assert fleet.states.get(approx_prefix()).size("small") == 4
     # 4 blocks of 32 tokens hold 8 index blocks of 16 tokens.
-    assert fleet.prefix.size("big-blocks") == 8
-    assert fleet.prefix.size("unknown") == 5
+    assert fleet.states.get(approx_prefix()).size("big-blocks") == 8
+    assert fleet.states.get(approx_prefix()).size("unknown") == 5
 
 
 def test_token_prompts_use_token_blocks() -> None:

@@ -11,6 +11,7 @@ from epp.config import ConfigError, parse_config
 from epp.request import InferenceRequest, RequestPolicy, parse_request, session_key
 from epp.router import Router
 from epp.scheduling import build_profile
+from epp.scheduling.scorers.session import SESSIONS
 from epp.state import EndpointMetrics, EndpointState
 from epp.state.fleet import FleetState
 from tests.unit.scheduling.common import text
@@ -115,7 +116,7 @@ async def test_a_conversation_stays_on_one_endpoint_and_moves_when_it_goes_down(
     first = route(router, chat("base", turns[:1], session="conv-1"))[0]
     for n in range(2, 7):
         assert route(router, chat("base", turns[:n], session="conv-1"))[0] == first
-    assert router.fleet.sessions.get(session_key(b"conv-1"), 0.0) == first
+    assert router.fleet.states.get(SESSIONS).get(session_key(b"conv-1"), 0.0) == first
 
     # The endpoint goes down: the conversation moves once, then sticks to its new home.
     await router.fleet.store.put_endpoint(

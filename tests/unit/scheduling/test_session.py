@@ -7,7 +7,7 @@ import pytest
 from epp.scheduling import Profile
 from epp.scheduling.filters.ready import ReadyEndpointFilter
 from epp.scheduling.pickers.max_score import MaxScoreParams, MaxScorePicker
-from epp.scheduling.scorers.session import SessionAffinityScorer, SessionParams
+from epp.scheduling.scorers.session import SESSIONS, SessionAffinityScorer, SessionParams
 from epp.state import EndpointState
 from epp.state.fleet import FleetState
 from epp.state.sessions import SessionTable
@@ -51,7 +51,7 @@ def test_requests_without_session_score_zero_and_are_not_recorded() -> None:
     scorer = SessionAffinityScorer()
     assert scorer.score(req("x"), EPS, cycle(fleet)) == [0.0, 0.0, 0.0]
     scorer.on_pick(req("x"), EPS[0], cycle(fleet))
-    assert len(fleet.sessions) == 0
+    assert len(fleet.states.get(SESSIONS)) == 0
 
 
 def route(
@@ -78,14 +78,14 @@ def test_session_sticks_and_each_pick_refreshes_its_ttl(profile: Profile) -> Non
     first = route(profile, fleet, EPS, now=0.0)
     # 20 requests 50 s apart: each within the TTL of the previous one.
     assert {route(profile, fleet, EPS, now=50.0 * i) for i in range(1, 21)} == {first}
-    assert fleet.sessions.get("s", 1000.0) == first
+    assert fleet.states.get(SESSIONS).get("s", 1000.0) == first
     # Another session is independent (random ties spread new sessions).
     assert len({route(profile, fleet, EPS, 1000.0, session=f"o{i}") for i in range(30)}) > 1
 
 
 def test_session_expires_after_ttl(profile: Profile) -> None:
     fleet = FleetState()
-    fleet.sessions.bind("s", "a", now=0.0, ttl=60.0)
+    fleet.states.get(SESSIONS).bind("s", "a", now=0.0, ttl=60.0)
     scorer = profile.scorers[0][0]
     assert scorer.score(req("x", session="s"), EPS, cycle(fleet, now=59.0)) == [1.0, 0.0, 0.0]
     assert scorer.score(req("x", session="s"), EPS, cycle(fleet, now=61.0)) == [0.0, 0.0, 0.0]
@@ -93,7 +93,7 @@ def test_session_expires_after_ttl(profile: Profile) -> None:
 
 def test_session_moves_when_its_endpoint_is_unready(profile: Profile) -> None:
     fleet = FleetState()
-    fleet.sessions.bind("s", "a", now=0.0, ttl=60.0)
+    fleet.states.get(SESSIONS).bind("s", "a", now=0.0, ttl=60.0)
     moved = route(profile, fleet, [ep("a", ready=False), ep("b"), ep("c")], now=1.0)
     assert moved != "a"
     # It then sticks to its new endpoint, even once "a" is back.
@@ -105,7 +105,7 @@ def test_session_moves_off_an_overloaded_endpoint(
     profile: Profile, overload: dict[str, float]
 ) -> None:
     fleet = FleetState()
-    fleet.sessions.bind("s", "a", now=0.0, ttl=60.0)
+    fleet.states.get(SESSIONS).bind("s", "a", now=0.0, ttl=60.0)
     scorer = profile.scorers[0][0]
     busy = [ep("a", **overload), ep("b"), ep("c")]
     assert scorer.score(req("x", session="s"), busy, cycle(fleet, now=1.0)) == [0.0, 0.0, 0.0]
