@@ -291,16 +291,29 @@ class HealthTracker:
             ) >= config.min_requests and failures >= config.error_rate * len(health.outcomes):
                 self._eject(health, endpoint, members, now, config, "error-rate", False)
             return
-        if latency is None:
-            return
+        if latency is not None:
+            self._sample(health, endpoint, members, latency, residual, now)
+
+    def _sample(
+        self,
+        health: EndpointHealth,
+        endpoint: str,
+        members: Collection[str],
+        latency: float,
+        residual: bool,
+        now: float,
+    ) -> None:
+        """A latency sample of a closed circuit: ejects when the median of the last
+        ``latency_samples`` of its kind is an outlier."""
+        count = self.config.latency_samples
         if residual:
             health.residuals.append((now, latency))
-            median = health.median_residual(config.latency_samples)
+            median = health.median_residual(count)
         else:
             health.latencies.append((now, latency))
-            median = health.median_latency(config.latency_samples)
+            median = health.median_latency(count)
         if median is not None and self._outlier(endpoint, median, residual, members, now):
-            self._eject(health, endpoint, members, now, config, "latency", False)
+            self._eject(health, endpoint, members, now, self.config, "latency", False)
 
     def _outlier(
         self, endpoint: str, latency: float, residual: bool, members: Collection[str], now: float
