@@ -16,7 +16,7 @@ from epp.config.schema import Reload, knob, section
 from epp.config.walker import Node, deferred, read_section
 from epp.edge import EdgeLimits
 from epp.metrics.demand import DemandPolicy
-from epp.state.health import HealthConfig
+from epp.state.health import LATENCY_RULES, HealthConfig
 from epp.state.shared.connect import SCHEMES as REDIS_SCHEMES
 from epp.state.shared.connect import has_password, with_credentials
 from epp.tls import ServerTls, server_tls_problems
@@ -303,11 +303,20 @@ class HealthSection:
     min_requests: int = knob(
         _HEALTH.min_requests, ge=1, doc="answers the window holds before its rate counts"
     )
+    latency_rule: str = knob(
+        _HEALTH.latency_rule,
+        choices=LATENCY_RULES,
+        doc="streamed TTFTs against the latency model's prediction (residual), the pool's, or off",
+    )
     latency_factor: float = knob(
-        _HEALTH.latency_factor, ge=1, doc="median latency above factor x the pool's others' ejects"
+        _HEALTH.latency_factor,
+        ge=1,
+        doc="median of TTFT / prediction, or of latency / the pool's others', above this ejects",
     )
     latency_floor_seconds: float = knob(
-        _HEALTH.latency_floor_seconds, ge=0, doc="if that latency is also above this"
+        _HEALTH.latency_floor_seconds,
+        ge=0,
+        doc="predictions count as at least this; pool latencies must also exceed it",
     )
     latency_samples: int = knob(
         _HEALTH.latency_samples, ge=1, doc="over the last this many samples (within the window)"
@@ -315,7 +324,7 @@ class HealthSection:
     latency_prompt_tokens: int = knob(
         _HEALTH.latency_prompt_tokens,
         ge=0,
-        doc="a streamed TTFT counts per this many prefill tokens ahead (0: as measured)",
+        doc="pool rule: a streamed TTFT counts per this many prefill tokens ahead (0: as measured)",
     )
     base_ejection_seconds: float = knob(
         _HEALTH.base_ejection_seconds, gt=0, doc="the n-th ejection in a row lasts base x 2^(n-1)"

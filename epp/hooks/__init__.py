@@ -32,6 +32,6 @@ def standard_lifecycle(
         BudgetCorrection(budgets),
         ServiceRate(demand, endpoint_pools),
         learning,
-        PassiveHealth(fleet.health, pools),
+        PassiveHealth(fleet.health, pools, fleet.latency),
     )
     return Lifecycle(hooks), learning

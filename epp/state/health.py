@@ -11,18 +11,18 @@ stall; the scrape-based readiness never sees it. epp sees every response on the 
   (:mod:`epp.extproc.passive_health`), and clients must not be able to eject replicas.
   ``consecutive_failures`` in a row, or an error share of at least ``error_rate`` over the
   last ``window_seconds`` with at least ``min_requests`` answers, eject the endpoint.
-- **Latency outliers**: the median latency (time to first token when streamed, the whole
-  response otherwise) of the last ``latency_samples`` samples within the window, above
-  ``latency_factor`` times the median of the pool's other endpoints (each their own median)
-  and above ``latency_floor_seconds``, ejects it. Comparing with the *others* lets a slow
-  endpoint stand out in a pool of two, and keeps the healthy half of a pool from looking slow
-  when the other half is. A streamed response's TTFT counts per ``latency_prompt_tokens``
-  prefill tokens ahead of its first token (the request's uncached prompt plus the prefill
-  queued ahead of it, as epp counted them at the pick) when there were more: a cold prefill
-  of a long prompt is slow on every replica, and so is a queue; compared raw with replicas
-  serving prefix-cache hits, the replica that had just taken on new prefix groups was an
-  "outlier", and scaled by the prompt alone, past saturation the replicas holding the popular
-  prefixes were (docs/health.md).
+- **Latency outliers**: with ``latency_rule: residual`` (the default), the median over the
+  last ``latency_samples`` streamed responses of TTFT over the latency model's prediction for
+  that request on that endpoint (made at the pick; the caller passes the ratio, see
+  :mod:`epp.hooks.passive_health`) above ``latency_factor``: a replica is slow only when it is
+  slower than its own model says, so cold prefills, queues behind popular prefixes and slower
+  GPUs, all predicted, are not outliers. Whole responses (and streamed ones with
+  ``latency_rule: pool``) are compared with the pool: the median latency of the last
+  ``latency_samples`` samples above ``latency_factor`` times the median of the pool's other
+  endpoints (each their own median) and above ``latency_floor_seconds``; comparing with the
+  *others* lets a slow endpoint stand out in a pool of two. Under ``pool`` a streamed TTFT
+  counts per ``latency_prompt_tokens`` prefill tokens ahead of its first token; every such
+  cross-pool comparison still read cache-driven spread as slowness (docs/health.md).
 
 Each endpoint is a circuit: CLOSED (serves), OPEN until its ejection time has passed, then
 HALF_OPEN: one trial request at a time may go there (:meth:`HealthTracker.admits`,
@@ -79,6 +79,11 @@ class HealthConfig:
     # latency_prompt_tokens / ahead) before the comparison; less work ahead counts as
     # measured, the TTFT being mostly per-request cost. 0: never scaled.
     latency_prompt_tokens: int = 512
+    # How a streamed TTFT is judged (LATENCY_RULES): "residual" against the latency model's
+    # prediction for that request on that endpoint; "pool" (scaled as above) against the
+    # pool's other endpoints; "off": not at all. A whole response's time is compared with the
+    # pool's under "residual" and "pool" (the model predicts first tokens).
+    latency_rule: str = "residual"
     base_ejection_seconds: float = 5.0
     max_ejection_seconds: float = 60.0
     max_ejection_percent: float = 50.0
@@ -90,6 +95,9 @@ class HealthConfig:
     trial_interval_seconds: float = 0.5
     # A half-open trial whose answer never came is given up after this long.
     trial_timeout_seconds: float = 30.0
+
+
+LATENCY_RULES = ("residual", "pool", "off")
 
 
 class Circuit(enum.Enum):
@@ -119,6 +127,10 @@ class EndpointHealth:
     latencies: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=_WINDOW_LIMIT)
     )
+    # (time, measured / expected) per streamed TTFT the latency model predicted.
+    residuals: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=_WINDOW_LIMIT)
+    )
     # Ejections in a row (the backoff exponent), when the circuit opens until, why.
     ejections: int = 0
     until: float = 0.0
@@ -138,22 +150,32 @@ class EndpointHealth:
         horizon = now - window
         while self.outcomes and self.outcomes[0][0] < horizon:
             self.outcomes.popleft()
-        while self.latencies and self.latencies[0][0] < horizon:
-            self.latencies.popleft()
+        for samples in (self.latencies, self.residuals):
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
 
     def median_latency(self, count: int) -> float | None:
-        """The median of the last ``count`` samples, None with fewer: the latest ones, so a
-        replica that just turned slow stands out after ``count // 2 + 1`` samples, however
-        many fast ones the time window holds."""
-        if len(self.latencies) < count:
-            return None
-        # From the newest end: a copy of the whole window per answer costs more than the median.
-        # statistics.median's own arithmetic, without its call overhead (once per answer).
-        samples = sorted([s for _, s in itertools.islice(reversed(self.latencies), count)])
-        middle = count // 2
-        if count % 2:
-            return samples[middle]
-        return (samples[middle - 1] + samples[middle]) / 2
+        """The median of the last ``count`` latency samples, None with fewer."""
+        return _recent_median(self.latencies, count)
+
+    def median_residual(self, count: int) -> float | None:
+        """The median of the last ``count`` residual samples, None with fewer."""
+        return _recent_median(self.residuals, count)
+
+
+def _recent_median(window: deque[tuple[float, float]], count: int) -> float | None:
+    """The median of the last ``count`` samples of ``window``, None with fewer: the latest
+    ones, so a replica that just turned slow stands out after ``count // 2 + 1`` samples,
+    however many fast ones the time window holds."""
+    if len(window) < count:
+        return None
+    # From the newest end: a copy of the whole window per answer costs more than the median.
+    # statistics.median's own arithmetic, without its call overhead (once per answer).
+    samples = sorted([s for _, s in itertools.islice(reversed(window), count)])
+    middle = count // 2
+    if count % 2:
+        return samples[middle]
+    return (samples[middle - 1] + samples[middle]) / 2
 
 
 class HealthTracker:
@@ -221,10 +243,12 @@ class HealthTracker:
         latency: float | None,
         now: float,
         reason: str = "",
+        residual: bool = False,
     ) -> None:
         """One answer of ``endpoint`` (of ``pool``, whose endpoints are ``members``):
-        ``failed`` with ``reason`` (``5xx``, ``retried``), else its
-        ``latency`` in seconds when known."""
+        ``failed`` with ``reason`` (``5xx``, ``retried``), else its ``latency`` when known: in
+        seconds, or with ``residual`` as measured over expected (judged against
+        ``latency_factor`` alone, not against the pool)."""
         config = self.config
         if not config.enabled:
             return
@@ -236,7 +260,8 @@ class HealthTracker:
         if circuit is Circuit.OPEN:
             return  # answers to picks made before the ejection: already judged
         if circuit is Circuit.HALF_OPEN:
-            if not failed and latency is not None and self._slow(endpoint, latency, members, now):
+            slow = latency is not None and self._outlier(endpoint, latency, residual, members, now)
+            if not failed and slow:
                 failed, reason = True, "latency"
             if failed:
                 self._eject(health, endpoint, members, now, config, f"trial-{reason}", True)
@@ -266,12 +291,38 @@ class HealthTracker:
             ) >= config.min_requests and failures >= config.error_rate * len(health.outcomes):
                 self._eject(health, endpoint, members, now, config, "error-rate", False)
             return
-        if latency is None:
-            return
-        health.latencies.append((now, latency))
-        median = health.median_latency(config.latency_samples)
-        if median is not None and self._slow(endpoint, median, members, now):
-            self._eject(health, endpoint, members, now, config, "latency", False)
+        if latency is not None:
+            self._sample(health, endpoint, members, latency, residual, now)
+
+    def _sample(
+        self,
+        health: EndpointHealth,
+        endpoint: str,
+        members: Collection[str],
+        latency: float,
+        residual: bool,
+        now: float,
+    ) -> None:
+        """A latency sample of a closed circuit: ejects when the median of the last
+        ``latency_samples`` of its kind is an outlier."""
+        count = self.config.latency_samples
+        if residual:
+            health.residuals.append((now, latency))
+            median = health.median_residual(count)
+        else:
+            health.latencies.append((now, latency))
+            median = health.median_latency(count)
+        if median is not None and self._outlier(endpoint, median, residual, members, now):
+            self._eject(health, endpoint, members, now, self.config, "latency", False)
+
+    def _outlier(
+        self, endpoint: str, latency: float, residual: bool, members: Collection[str], now: float
+    ) -> bool:
+        """Whether ``latency`` is slow: a residual above ``latency_factor``, else a latency
+        slow against the pool (:meth:`_slow`)."""
+        if residual:
+            return latency > self.config.latency_factor
+        return self._slow(endpoint, latency, members, now)
 
     def _slow(self, endpoint: str, latency: float, members: Collection[str], now: float) -> bool:
         """Whether ``latency`` is an outlier against the median of the pool's other closed
@@ -315,6 +366,7 @@ class HealthTracker:
         health.consecutive = 0
         health.outcomes.clear()
         health.latencies.clear()
+        health.residuals.clear()
         EJECTIONS.labels(health.pool, endpoint, reason).inc()
         set_ejected(health.pool, endpoint, True)
         self._recent.append(Verdict(endpoint, health.pool, health.until, health.ejections, reason))
@@ -413,6 +465,7 @@ class HealthTracker:
                     health.trials_passed = 0
                     health.outcomes.clear()
                     health.latencies.clear()
+                    health.residuals.clear()
                     set_ejected(pool, endpoint, True)
             elif health.until != 0.0:
                 health.closed_at = health.until  # at least that long ago: probation starts

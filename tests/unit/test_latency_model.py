@@ -7,7 +7,8 @@ import random
 import pytest
 
 from epp.state.inflight import Load
-from epp.state.latency import HALF_LIFE_S, SPEED_BAND, Basis, LatencyModel, ttft_features
+from epp.state.latency import SPEED_BAND, Basis, LatencyModel, ttft_features
+from epp.state.latency_fit import HALF_LIFE_S
 from epp.state.snapshot import EndpointMetrics, EndpointState
 
 FAST, SLOW = "10.0.0.1:8000", "10.0.0.2:8000"

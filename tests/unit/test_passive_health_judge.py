@@ -11,7 +11,9 @@ POOLS = {"main": ("a", "b")}
 
 def tracker() -> HealthTracker:
     health = HealthTracker()
-    health.configure(HealthConfig(consecutive_failures=100, latency_samples=1), ("a", "b"))
+    health.configure(
+        HealthConfig(consecutive_failures=100, latency_samples=1, latency_rule="pool"), ("a", "b")
+    )
     return health
 
 
@@ -78,7 +80,9 @@ def test_a_streamed_ttft_counts_per_latency_prompt_tokens_of_prefill_ahead() -> 
 
 def test_whole_response_latency_and_a_scaling_of_zero_are_not_scaled() -> None:
     health = HealthTracker()
-    health.configure(HealthConfig(latency_samples=1, latency_prompt_tokens=0), ("a", "b"))
+    health.configure(
+        HealthConfig(latency_samples=1, latency_prompt_tokens=0, latency_rule="pool"), ("a", "b")
+    )
     judge(health, POOLS, "a", streamed(0.4), 1.0, ahead=2048)
     judge(health, POOLS, "a", outcome(), 2.0, ahead=2048)
     state = health.state("a")
@@ -92,7 +96,7 @@ def test_cold_prefills_next_to_cache_hits_do_not_eject_but_a_slow_replica_still_
     groups (2,304-token prompts, 0.45 s cold) while "b" serves their hits (256 uncached
     tokens, 0.08 s): raw, 0.45 > 3 x 0.08 ejected "a". Per 512 tokens its TTFT is 0.1 s. A
     replica 4x slower on the same work is still an outlier."""
-    config = HealthConfig(latency_samples=4, max_ejection_percent=50)
+    config = HealthConfig(latency_samples=4, max_ejection_percent=50, latency_rule="pool")
     health = HealthTracker(config)
     health.configure(config, ("a", "b"))
     for i in range(4):
@@ -113,7 +117,7 @@ def test_a_queue_ahead_of_cache_hits_is_work_not_slowness() -> None:
     prefills cold 2,304-token prompts with nothing queued in 0.45 s. Counting the queue, both
     are ~0.1-0.13 s per 512 tokens; scaled by the prompt alone (0.8 raw against 0.1) "b" was
     the outlier. A replica as slow on the same work ahead is still ejected."""
-    config = HealthConfig(latency_samples=4, max_ejection_percent=50)
+    config = HealthConfig(latency_samples=4, max_ejection_percent=50, latency_rule="pool")
     health = HealthTracker(config)
     health.configure(config, ("a", "b"))
     for i in range(4):

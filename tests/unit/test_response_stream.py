@@ -18,6 +18,7 @@ from epp.prefix.approximate import ApproximatePrefixIndex, approx_prefix
 from epp.request import session_key
 from epp.scheduling.scorers.session import SESSIONS
 from epp.state.fleet import FleetState
+from epp.state.latency import Basis
 from epp.state.moves import PickRecord, Recording, move_pick
 from epp.wire import SERVED
 from tests.unit.test_stream import body_msg, headers_msg, make_router
@@ -265,7 +266,8 @@ async def test_passive_health_times_a_first_token_per_prefill_tokens_ahead() -> 
     counts as measured."""
     router = await make_router(ready=(B,))
     fleet = router.fleet
-    fleet.health.configure(replace(fleet.health.config, latency_prompt_tokens=64), (A, B))
+    pool = replace(fleet.health.config, latency_prompt_tokens=64, latency_rule="pool")
+    fleet.health.configure(pool, (A, B))
     now = [100.0]
 
     def picked(text: str) -> StreamHandler:
@@ -297,3 +299,32 @@ async def test_passive_health_times_a_first_token_per_prefill_tokens_ahead() -> 
     ahead = first.ticket.prefill + second.ticket.prefill
     assert answered(second, B) == pytest.approx(0.4 * 64 / ahead)
     assert answered(first, A) == pytest.approx(0.8)  # its first token came 0.8 s after its pick
+
+
+async def test_passive_health_judges_a_first_token_against_its_prediction_at_the_pick() -> None:
+    """The residual rule end to end: once the latency model has evidence for the endpoint, a
+    streamed answer's sample is its TTFT over what the model predicted at the pick."""
+    router = await make_router(ready=(B,))
+    fleet = router.fleet
+    basis = Basis((1.0, 0.2, 0.0, 0.0), 0.0)
+    for _ in range(12):  # 0.1 s for a 200-token prompt: the model trusts its fit from now on
+        fleet.latency.observe_ttft(B, basis, 0.1, time.time())
+    now = [100.0]
+    handler = StreamHandler(router, clock=lambda: now[0])
+    body = json.dumps({"model": "tiny", "prompt": "x" * 800, "max_tokens": 2, "stream": True})
+    handler.handle(headers_msg())
+    handler.handle(body_msg(body.encode()))
+    ticket = handler.ticket
+    assert ticket is not None
+    assert ticket.basis is not None
+    predicted = ticket.basis.predicted
+    handler.handle(_response_headers(SSE_HEADERS))
+    now[0] += 0.4
+    handler.handle(_response_body(ROLE + token("a")))
+    handler.handle(_response_body(USAGE_CHUNK + DONE, eos=True))
+    handler.settle()
+    router.finish(ticket)
+    state = fleet.health.state(B)
+    assert state is not None
+    assert list(state.latencies) == []
+    assert [r for _, r in state.residuals] == [pytest.approx(0.4 / max(predicted, 0.05))]

@@ -43,6 +43,25 @@ PREDICTED_LATENCY: DataKey[Mapping[str, Prediction]] = DataKey(
 )
 
 
+def predictions(
+    request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
+) -> dict[str, Prediction]:
+    """``request``'s predicted latency on each candidate by the learned model: its uncached
+    prompt there (the cycle's cached tokens; none known: all of it), the prefill queued ahead
+    and the decode batch (epp's in-flight work, floored by the scraped queue)."""
+    prompt = request.prompt_tokens()
+    cached = cycle.get(CACHED_TOKENS) or {}
+    model = cycle.fleet.latency
+    inflight = cycle.fleet.inflight
+    now = cycle.now
+    out = {}
+    for c in candidates:
+        address = c.address
+        uncached = max(0, prompt - cached.get(address, 0))
+        out[address] = Prediction(*model.predict(uncached, inflight.load(address), c, now))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PredictedLatencyParams(Params):
     """``tpot_weight``: how much the predicted decode time (output tokens x TPOT) counts
@@ -66,17 +85,7 @@ class PredictedLatencyScorer(Producer, Scorer):
     def produce(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
     ) -> None:
-        prompt = request.prompt_tokens()
-        cached = cycle.get(CACHED_TOKENS) or {}
-        model = cycle.fleet.latency
-        inflight = cycle.fleet.inflight
-        now = cycle.now
-        out = {}
-        for c in candidates:
-            address = c.address
-            uncached = max(0, prompt - cached.get(address, 0))
-            out[address] = Prediction(*model.predict(uncached, inflight.load(address), c, now))
-        cycle.put(PREDICTED_LATENCY, out)
+        cycle.put(PREDICTED_LATENCY, predictions(request, candidates, cycle))
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle: Cycle
