@@ -14,45 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from epp.bounds import Bounds
+
 P = TypeVar("P", bound="Params")
 
 
 @dataclass(frozen=True, slots=True)
-class Range:
+class Range(Bounds):
     """Bounds and allowed values of one parameter (None: unbounded on that side)."""
 
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
     choices: tuple[str, ...] | None = None
-
-    def contains(self, value: float) -> bool:
-        return not (
-            (self.ge is not None and value < self.ge)
-            or (self.gt is not None and value <= self.gt)
-            or (self.le is not None and value > self.le)
-            or (self.lt is not None and value >= self.lt)
-        )
-
-    def describe(self) -> str:
-        low = ""
-        if self.ge is not None or self.gt is not None:
-            low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
-        high = ""
-        if self.le is not None or self.lt is not None:
-            high = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})"
-        if low and high:
-            return f" in {low}, {high}"
-        if self.ge is not None:
-            return f" >= {self.ge:g}"
-        if self.gt is not None:
-            return f" > {self.gt:g}"
-        if self.le is not None:
-            return f" <= {self.le:g}"
-        if self.lt is not None:
-            return f" < {self.lt:g}"
-        return ""
 
 
 def param(

@@ -42,32 +42,11 @@ from vllm_server import VllmServer, start_vllms
 
 from epp.devstack import free_port
 from tests.e2e.client import request
+from tests.helpers.pd_profiles import PROFILES
 
 pytestmark = pytest.mark.contract
 
-THRESHOLD = 64
 LONG, SHORT = 100, 20  # prompt tokens: above and below the threshold
-PROFILES = {
-    "profile": "pd",
-    "profiles": {
-        "pd": [
-            {"plugin": "decode-filter"},
-            {"plugin": "prefix-cache-scorer", "weight": 3},
-            {"plugin": "queue-scorer", "weight": 1},
-            {"plugin": "max-score-picker"},
-            {
-                "plugin": "prefix-based-pd-decider",
-                "parameters": {"non_cached_tokens": THRESHOLD},
-            },
-        ],
-        "prefill": [
-            {"plugin": "prefill-filter"},
-            {"plugin": "prefix-cache-scorer", "weight": 3},
-            {"plugin": "queue-scorer", "weight": 1},
-            {"plugin": "max-score-picker"},
-        ],
-    },
-}
 DECISIONS = "llm_d_inference_scheduler_disagg_decision_total"
 
 

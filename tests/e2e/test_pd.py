@@ -20,29 +20,7 @@ from epp.devstack import Stack, free_port
 from tests.e2e.client import Reply, metric_values, request
 from tests.e2e.conftest import BODY_MODES
 from tests.e2e.test_active_active import wait_for
-
-THRESHOLD = 64
-PROFILES = {
-    "profile": "pd",
-    "profiles": {
-        "pd": [
-            {"plugin": "decode-filter"},
-            {"plugin": "prefix-cache-scorer", "weight": 3},
-            {"plugin": "queue-scorer", "weight": 1},
-            {"plugin": "max-score-picker"},
-            {
-                "plugin": "prefix-based-pd-decider",
-                "parameters": {"non_cached_tokens": THRESHOLD},
-            },
-        ],
-        "prefill": [
-            {"plugin": "prefill-filter"},
-            {"plugin": "prefix-cache-scorer", "weight": 3},
-            {"plugin": "queue-scorer", "weight": 1},
-            {"plugin": "max-score-picker"},
-        ],
-    },
-}
+from tests.helpers.pd_profiles import PROFILES
 
 
 @dataclass
