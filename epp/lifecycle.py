@@ -214,6 +214,19 @@ class Narrowing(Protocol):
 class Admission(_Registry[AdmissionHook]):
     """The registered admission hooks, run in order for each parsed request."""
 
+    def __init__(self, hooks: Iterable[AdmissionHook] = ()) -> None:
+        # Which hooks narrow is decided once, at registration: an isinstance check against a
+        # Protocol walks the protocol's attributes, far too dear for every request.
+        self._narrowing: list[Narrowing] = []
+        super().__init__()
+        for hook in hooks:
+            self.register(hook)
+
+    def register(self, hook: AdmissionHook) -> None:
+        super().register(hook)
+        if isinstance(hook, Narrowing):
+            self._narrowing.append(hook)
+
     async def admit(self, context: RequestContext, request: InferenceRequest) -> None:
         """Run every hook, awaiting each hold; raise the RequestError of the hook that refuses
         (cancelled, as when the client leaves, the request is withdrawn too)."""
@@ -255,7 +268,6 @@ class Admission(_Registry[AdmissionHook]):
     ) -> Endpoints:
         """The candidates the hooks let an admitted request (of a stream that captured
         ``gen``) go to."""
-        for hook in self._hooks:
-            if isinstance(hook, Narrowing):
-                found = hook.narrow(gen, request, found, now)
+        for hook in self._narrowing:
+            found = hook.narrow(gen, request, found, now)
         return found
